@@ -1,0 +1,259 @@
+"""One decoder-only transformer for the Llama family (SmolLM2, Llama, Mistral, Qwen2, Qwen3) and Gemma 3.
+
+Module names match the Hugging Face checkpoints, so a HF state dict loads as it is.
+The forward is ragged: B rows, each with its own start position and up to T new tokens,
+reading and writing a slot-based KV cache (engine/kv_cache.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.models.linear import linear
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str  # "llama" (Llama/SmolLM2/Mistral/Qwen2/Qwen3) or "gemma3"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    # Per layer: None for global attention, else the sliding window size.
+    layer_windows: tuple[int | None, ...] = ()
+    # Per layer: key into `rope_inv_freq` (layers of one kind share frequencies).
+    layer_rope: tuple[str, ...] = ()
+    rope_inv_freq: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    rope_scaling: dict[str, float] = field(default_factory=dict)
+    attn_scale: float = 0.0
+    embed_scale: float = 1.0
+    norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by (1 + w)
+    sandwich_norm: bool = False  # Gemma: extra norms after attention and MLP
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelArgs":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        model_type = config.model_type
+        gemma = model_type in ("gemma3_text", "gemma3")
+        if model_type not in ("llama", "mistral", "qwen2", "qwen3") and not gemma:
+            raise ValueError(
+                f"model type {model_type!r} is not supported; supported: llama, mistral, qwen2, qwen3, gemma3_text"
+            )
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        n = config.num_hidden_layers
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+        window = getattr(config, "sliding_window", None)
+        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+            window = None
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+        rope_params = config.rope_parameters
+        per_type = set(layer_types) <= set(rope_params) if isinstance(rope_params, dict) else False
+        inv_freq, scaling = {}, {}
+        for kind in sorted(set(layer_types)):
+            params = rope_params[kind] if per_type else rope_params
+            rope_type = params.get("rope_type", "default")
+            if rope_type == "default":
+                base = params["rope_theta"]
+                freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+                factor = 1.0
+            else:
+                kwargs = {"layer_type": kind} if per_type else {}
+                freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
+            inv_freq[kind] = tuple(freq.tolist())
+            scaling[kind] = float(factor)
+
+        return cls(
+            arch="gemma3" if gemma else "llama",
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=n,
+            num_heads=num_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", False)) or model_type == "qwen2",
+            qk_norm=gemma or model_type == "qwen3",
+            hidden_act=getattr(config, "hidden_activation", None) or config.hidden_act,
+            layer_windows=windows,
+            layer_rope=tuple(layer_types),
+            rope_inv_freq=inv_freq,
+            rope_scaling=scaling,
+            attn_scale=(config.query_pre_attn_scalar**-0.5) if gemma else head_dim**-0.5,
+            embed_scale=math.sqrt(config.hidden_size) if gemma else 1.0,
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norm=gemma,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: float):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma: scale in float32, then cast
+            return (h * (self.offset + self.weight.float())).type_as(x)
+        return self.weight * h.type_as(x)  # Llama: cast, then scale
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [B, H, T, D]; cos/sin: [B, 1, T, D]; rotate-half layout as in HF checkpoints
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.attn_scale
+        self.window = args.layer_windows[layer]
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+        B, T, _ = x.shape
+        q = linear(x, self.q_proj).view(B, T, -1, self.head_dim)
+        k = linear(x, self.k_proj).view(B, T, -1, self.head_dim)
+        v = linear(x, self.v_proj).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        keys, values = ctx.cache.update(self.layer, ctx.slots, ctx.positions, k, v, ctx.key_len)
+        mask = ctx.global_mask if self.window is None else ctx.window_mask(self.window)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, H, T, D]
+        return linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        if args.hidden_act == "silu":
+            self.act = F.silu
+        elif args.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda t: F.gelu(t, approximate="tanh")
+        else:
+            raise ValueError(f"activation {args.hidden_act!r} is not supported")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(self.act(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.sandwich = args.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+        if self.sandwich:  # Gemma: norm around each sub-block, residual outside
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
+
+
+class ForwardContext:
+    """What every layer of one forward call shares: cache rows, positions, masks, rotary tables."""
+
+    def __init__(self, args: ModelArgs, cache, slots: Tensor, positions: Tensor, dtype: torch.dtype):
+        self.cache, self.slots, self.positions = cache, slots, positions  # slots [B], positions [B, T]
+        self.layer_rope = args.layer_rope
+        self.key_len = int(positions.max()) + 1
+        key_pos = torch.arange(self.key_len, device=positions.device)
+        # [B, 1, T, S]: a query sees keys at or before its own position
+        self.causal_delta = positions[:, None, :, None] - key_pos[None, None, None, :]
+        self.global_mask = self.causal_delta >= 0
+        self._window_masks: dict[int, Tensor] = {}
+        self.rope = {}
+        for kind, freq in args.rope_inv_freq.items():
+            inv = torch.tensor(freq, dtype=torch.float32, device=positions.device)
+            angles = positions[..., None].float() * inv  # [B, T, D/2]
+            emb = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
+            s = args.rope_scaling[kind]
+            self.rope[kind] = ((emb.cos() * s).to(dtype), (emb.sin() * s).to(dtype))
+
+    def window_mask(self, window: int) -> Tensor:
+        if window not in self._window_masks:
+            self._window_masks[window] = self.global_mask & (self.causal_delta < window)
+        return self._window_masks[window]
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache, slots: Tensor,
+                logit_index: Tensor | None = None) -> Tensor:
+        """tokens, positions: [B, T]; slots: [B]; logit_index: [B, L] rows of T to return logits for.
+
+        Returns float32 logits [B, L, V] (L = T when logit_index is None).
+        """
+        m = self.model
+        x = m.embed_tokens(tokens)
+        if self.args.embed_scale != 1.0:
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        ctx = ForwardContext(self.args, cache, slots, positions, x.dtype)
+        for layer in m.layers:
+            x = layer(x, ctx)
+        if logit_index is not None:
+            x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
+        return linear(m.norm(x), self.lm_head).float()
