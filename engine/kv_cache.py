@@ -1,8 +1,10 @@
-"""Slot-based KV cache: one slot per running sequence; rollback is setting the slot's length.
+"""Slot-based KV cache: one slot per running sequence.
 
-Positions past a slot's length hold stale keys (rejected drafts, padding); attention never reads
-them, because a query only sees keys at or before its own position and every position up to
-that one was written by this or an earlier step.
+The cache keeps no lengths: every forward names the positions it writes, and the scheduler
+holds each sequence's committed length, so rollback after a rejected draft is just starting the
+next write at the committed length. Positions past it hold stale keys (rejected drafts, padding);
+attention never reads them, because a query sees only keys at or before its own position, and
+every position up to that one was written by this step or an earlier one.
 """
 from __future__ import annotations
 
@@ -16,33 +18,11 @@ class KVCache:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
-        self.lengths = [0] * num_slots  # committed tokens per slot
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free KV cache slot")
-        slot = self._free.pop()
-        self.lengths[slot] = 0
-        return slot
-
-    def free(self, slot: int) -> None:
-        self.lengths[slot] = 0
-        self._free.append(slot)
-
-    def set_length(self, slot: int, length: int) -> None:
-        if not 0 <= length <= self.max_len:
-            raise ValueError(f"slot length {length} outside [0, {self.max_len}]")
-        self.lengths[slot] = length
+        self.num_slots, self.max_len = num_slots, max_len
 
     def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor,
                key_len: int) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, Hkv, T, D] at positions [B, T] of `slots` [B]; return keys and values
+        """Write k, v [B, Hkv, T, D] at positions [B, T] of `slots` [B]; return the keys and values
         [B, Hkv, key_len, D] of those slots."""
         kc, vc = self.k[layer], self.v[layer]
         rows = slots[:, None]

@@ -1,0 +1,226 @@
+"""Typed configuration, validated once at the edge (LLM(), build_app(), the CLI).
+
+Keys and rules follow vLLM's `speculative_config` for `method: "draft_model"` (see DESIGN.md).
+Every error is a ValueError (pydantic's ValidationError is one) whose message names the key.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Filled in by the engine from the loaded models; a user never sets these.
+INTERNAL_SPEC_FIELDS = (
+    "target_model_config", "draft_model_config", "target_parallel_config",
+    "draft_parallel_config", "draft_load_config",
+)
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["draft_model"] | None = None
+    model: str | None = None
+    num_speculative_tokens: int = Field(gt=0)
+    draft_tensor_parallel_size: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
+    parallel_drafting: bool = False
+    rejection_sample_method: Literal["standard", "synthetic", "block"] = "standard"
+    synthetic_acceptance_rates: list[float] | None = None
+    synthetic_acceptance_length: float | None = None
+    use_heterogeneous_vocab: bool = False
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_misplaced_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "tensor_parallel_size" in data:
+            raise ValueError("speculative_config: 'tensor_parallel_size' is not a speculative config key; "
+                             "use 'draft_tensor_parallel_size' for the draft model's tensor parallelism")
+        for key in SAMPLING_KEYS:
+            if key in data:
+                raise ValueError(f"speculative_config: '{key}' is a sampling parameter, not speculative config; "
+                                 f"set it in SamplingParams or the request")
+        for key in INTERNAL_SPEC_FIELDS:
+            if key in data:
+                raise ValueError(f"speculative_config: '{key}' is an internal field filled in by the engine; "
+                                 f"do not set it")
+        known = set(cls.model_fields)
+        unknown = sorted(k for k in data if k not in known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+        if data.get("method") == "ngram":
+            raise ValueError("speculative_config: method 'ngram' is not supported yet; use 'draft_model'")
+        if data.get("method") is None and data.get("model"):
+            data = {**data, "method": "draft_model"}  # inferred, as vLLM does
+        return data
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> "SpeculativeConfig":
+        k = self.num_speculative_tokens
+        if self.method is None:
+            raise ValueError("speculative_config: set 'model' (the draft model) or 'method'")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: 'model' is required with method 'draft_model'")
+        if self.parallel_drafting:
+            raise ValueError("speculative_config: 'parallel_drafting' needs a draft model trained for parallel "
+                             "drafting (PARD); Tandem does not support it yet")
+        synthetic = self.rejection_sample_method == "synthetic"
+        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
+        if not synthetic and (rates is not None or length is not None):
+            key = "synthetic_acceptance_rates" if rates is not None else "synthetic_acceptance_length"
+            raise ValueError(f"speculative_config: '{key}' is only valid with rejection_sample_method 'synthetic'")
+        if rates is not None and length is not None:
+            raise ValueError("speculative_config: 'synthetic_acceptance_rates' and 'synthetic_acceptance_length' "
+                             "are mutually exclusive")
+        if synthetic and rates is None and length is None:
+            raise ValueError("speculative_config: rejection_sample_method 'synthetic' needs "
+                             "'synthetic_acceptance_rates' or 'synthetic_acceptance_length'")
+        if rates is not None:
+            if len(rates) != k:
+                raise ValueError(f"speculative_config: 'synthetic_acceptance_rates' must have "
+                                 f"num_speculative_tokens={k} entries, got {len(rates)}")
+            if any(not 0.0 <= r <= 1.0 for r in rates):
+                raise ValueError("speculative_config: 'synthetic_acceptance_rates' entries must lie in [0, 1]")
+            if any(b > a for a, b in zip(rates, rates[1:])):
+                raise ValueError("speculative_config: 'synthetic_acceptance_rates' must be non-increasing")
+        if length is not None and not 1.0 <= length <= k + 1:
+            raise ValueError(f"speculative_config: 'synthetic_acceptance_length' must lie in [1, {k + 1}] "
+                             f"(1 to num_speculative_tokens + 1), got {length}")
+        if self.use_heterogeneous_vocab and self.method != "draft_model":
+            raise ValueError("speculative_config: 'use_heterogeneous_vocab' is only supported with "
+                             "method 'draft_model'")
+        return self
+
+    def synthetic_rates(self) -> list[float]:
+        """Conditional acceptance rate per position for synthetic mode.
+
+        From a target mean acceptance length L, one constant rate r solves 1 + r + ... + r^K = L.
+        """
+        if self.synthetic_acceptance_rates is not None:
+            return list(self.synthetic_acceptance_rates)
+        k, target = self.num_speculative_tokens, self.synthetic_acceptance_length
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if sum(mid**i for i in range(k + 1)) < target:
+                lo = mid
+            else:
+                hi = mid
+        return [lo] * k
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    max_num_seqs: int = Field(default=8, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    distributed_executor_backend: Literal["mp", "ray"] | None = None
+    speculative_config: SpeculativeConfig | None = None
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _spec_from_dict(cls, value: Any) -> Any:
+        # validate here so the message keeps its 'speculative_config:' prefix
+        return SpeculativeConfig.model_validate(value) if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _check_draft_tp(self) -> "EngineConfig":
+        spec = self.speculative_config
+        if spec is not None and spec.draft_tensor_parallel_size not in (None, 1, self.tensor_parallel_size):
+            raise ValueError(
+                f"speculative_config: 'draft_tensor_parallel_size' must be 1 or the target's "
+                f"tensor_parallel_size ({self.tensor_parallel_size}), got {spec.draft_tensor_parallel_size}")
+        return self
+
+    @property
+    def draft_tensor_parallel_size(self) -> int:
+        spec = self.speculative_config
+        if spec is None or spec.draft_tensor_parallel_size is None:
+            return self.tensor_parallel_size  # inherited from the target, as in vLLM
+        return spec.draft_tensor_parallel_size
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":  # exact float32 on CPU; bfloat16 on GPU
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+def check_model_pair(spec: SpeculativeConfig, target_vocab: int, draft_vocab: int,
+                     target_max_len: int, draft_max_len: int) -> None:
+    """Rules that need both models loaded."""
+    if target_vocab != draft_vocab and not spec.use_heterogeneous_vocab:
+        raise ValueError(
+            f"Target and draft model should have the same vocabulary size. Target model vocab_size="
+            f"{target_vocab}. Draft model vocab_size={draft_vocab}. Using models with different tokenizers "
+            f"can cause out-of-bounds errors during speculative decoding. Set "
+            f"'use_heterogeneous_vocab': true in speculative_config to use Token-Level Intersection.")
+    if spec.max_model_len is not None and spec.max_model_len > min(target_max_len, draft_max_len):
+        raise ValueError(
+            f"speculative_config: 'max_model_len' ({spec.max_model_len}) is above the draft's or the target's "
+            f"limit ({min(target_max_len, draft_max_len)})")
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling. temperature 0 is greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(default=1, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingParams":
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

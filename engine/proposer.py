@@ -1,0 +1,58 @@
+"""Drafting: the draft model proposes k tokens per sequence, batched across sequences.
+
+The first draft step feeds each row's pending tokens (ragged: the last committed token, plus the
+last draft when all drafts were accepted); the next k-1 steps feed one token each.
+`draft_sample_method` greedy takes the argmax (the verifier then treats q as one-hot);
+probabilistic samples from q, the draft's distribution after the request's temperature/top-k/top-p,
+and hands q to the verifier.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.sampling import mask_tokens, probs_from_logits, sample
+from engine.step import DraftBatch, DraftOutput
+from engine.worker import ModelWorker
+
+
+class Proposer(Protocol):
+    def propose(self, batch: DraftBatch) -> DraftOutput: ...
+
+
+class DraftModelProposer:
+    def __init__(self, worker: ModelWorker, spec: SpeculativeConfig):
+        self.worker = worker
+        self.probabilistic = spec.draft_sample_method == "probabilistic"
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> DraftOutput:
+        B = len(batch.slots)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        for step in range(max(batch.num_drafts)):
+            active = [b for b in range(B) if batch.num_drafts[b] > step]
+            if step == 0:
+                feed = [batch.pending[b] for b in active]
+                starts = [batch.starts[b] for b in active]
+            else:
+                feed = [[drafts[b][-1]] for b in active]
+                starts = [batch.starts[b] + len(batch.pending[b]) + step - 1 for b in active]
+            logits = self.worker.forward([batch.slots[b] for b in active], starts, feed, last_only=True)[:, 0]
+            for i, b in enumerate(active):
+                row = batch.sampling[b]
+                row_logits = logits[i : i + 1]
+                if step < row.hold_back_until:
+                    row_logits = mask_tokens(row_logits, list(row.held_back_ids), torch.ones(1, dtype=torch.bool))
+                params = row.params
+                if not self.probabilistic or params.greedy:
+                    drafts[b].append(int(row_logits.argmax()))
+                    continue
+                q = probs_from_logits(row_logits, params.temperature, params.top_k, params.top_p)[0]
+                drafts[b].append(sample(q, self.worker.generators[row.request_id]))
+                probs[b].append(q)
+        if not self.probabilistic:
+            return DraftOutput(tokens=drafts)
+        return DraftOutput(tokens=drafts, probs=[torch.stack(p) if p else None for p in probs])

@@ -1,0 +1,192 @@
+"""Continuous batching: sequences join and leave between steps.
+
+Each step: admit waiting requests into free KV slots (prefill), then one propose/verify round for
+every running sequence, with its own draft count k (0 = plain decoding), stop conditions and
+new tokens. `max_num_seqs` bounds the batch; the rest wait in arrival order.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, SamplingParams
+from engine.metrics import SpecDecodeStats
+from engine.step import DraftBatch, RowSampling, VerifyBatch
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    slot: int = -1
+    target_cached: int = 0  # tokens of prompt+output in the target's cache
+    draft_ids: list[int] = field(default_factory=list)  # the draft's view of prompt+output
+    draft_cached: int = 0
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int):
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.spec = config.speculative_config
+        self.max_model_len = max_model_len
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SpecDecodeStats()
+        self._seeds = itertools.count(config.seed * 1_000_003)
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                             f"shorten the prompt so at least one token can be generated")
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        seq = Sequence(request_id, prompt, list(prompt_ids), params, seed)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.finish_reason = "abort"
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                seq.finish_reason = "abort"
+                self._release(seq)
+                return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Sequence]:
+        """Run one round; return the sequences that got new tokens (finished ones included)."""
+        self._admit()
+        if not self.running:
+            return []
+        rows = list(self.running)
+        ks = [self._num_drafts(seq) for seq in rows]
+        sampling = [self._row_sampling(seq) for seq in rows]
+        verify = VerifyBatch(
+            slots=[s.slot for s in rows],
+            starts=[s.target_cached for s in rows],
+            pending=[s.all_ids[s.target_cached:] for s in rows],
+            sampling=sampling,
+        )
+        drafting = [b for b, k in enumerate(ks) if k > 0]
+        draft = None
+        if drafting:
+            draft = DraftBatch(
+                slots=[rows[b].slot for b in drafting],
+                starts=[rows[b].draft_cached for b in drafting],
+                pending=[rows[b].draft_ids[rows[b].draft_cached:] for b in drafting],
+                num_drafts=[ks[b] for b in drafting],
+                sampling=[sampling[b] for b in drafting],
+            )
+        result, drafts = self.executor.step(verify, draft)
+        for b, seq in enumerate(rows):
+            k = ks[b]
+            new, accepted = result.tokens[b], result.num_accepted[b]
+            seq.stats.observe(k, accepted)
+            self.stats.observe(k, accepted)
+            n_pending = len(verify.pending[b])
+            seq.target_cached += n_pending + accepted
+            if k > 0:
+                # the draft cache holds its pending tokens and drafts 1..k-1
+                seq.draft_cached += len(draft.pending[drafting.index(b)]) + min(accepted, k - 1)
+            self._append(seq, new)
+            if seq.finished:
+                self._release(seq)
+        return rows
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            self.executor.add_request(seq.request_id, seq.seed)
+            prefix = seq.prompt_ids[:-1]  # the last prompt token is fed by the first step
+            seq.draft_ids = list(seq.prompt_ids)
+            self.executor.prefill(seq.slot, prefix, prefix if self.spec else None)
+            seq.target_cached = seq.draft_cached = len(prefix)
+            self.running.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+            self.executor.remove_request(seq.request_id)
+
+    def _budget(self, seq: Sequence) -> int:
+        """New tokens this sequence may still produce."""
+        room = self.max_model_len - len(seq.all_ids)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_ids))
+        return room
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        if self.spec is None:
+            return 0
+        return max(0, min(self.spec.num_speculative_tokens, self._budget(seq) - 1))
+
+    def _row_sampling(self, seq: Sequence) -> RowSampling:
+        p = seq.params
+        hold = p.min_tokens - len(seq.output_ids)
+        if hold <= 0:
+            return RowSampling(seq.request_id, p)
+        held = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        return RowSampling(seq.request_id, p, tuple(sorted(held)), hold)
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        p = seq.params
+        for token in tokens:
+            seq.output_ids.append(token)
+            seq.draft_ids.append(token)
+            if not p.ignore_eos and token in self.eos_ids:
+                seq.finish_reason = "stop"
+            elif token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif self._budget(seq) <= 0:
+                seq.finish_reason = "length"
+            if p.stop:  # tokens after the one that completes a stop string are dropped
+                self._detokenize(seq)
+            if seq.finished:
+                break
+        if not p.stop:
+            self._detokenize(seq)
+
+    def _detokenize(self, seq: Sequence) -> None:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        p = seq.params
+        if p.stop:
+            # a stop string may straddle old and new text; search from just before the new part
+            start = max(0, len(seq.text) - max(len(s) for s in p.stop))
+            hits = [(text.find(s, start), s) for s in p.stop if text.find(s, start) >= 0]
+            if hits:
+                cut, stop = min(hits)
+                text = text[:cut]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        seq.text = text

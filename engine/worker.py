@@ -1,0 +1,73 @@
+"""ModelWorker: one model (one shard, later) on one device, with its KV cache and per-request RNGs.
+
+The worker knows nothing of requests' lifetimes beyond what each call says: the scheduler owns
+slots and lengths. Drafting and verification are its two jobs (proposer.py, verifier.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import torch
+from torch import Tensor
+
+from engine.kv_cache import KVCache
+from engine.models.linear import pack_linears
+from engine.models.loading import ModelSource, build_model, load_state_dict
+
+log = logging.getLogger(__name__)
+
+
+class ModelWorker:
+    def __init__(self, source: ModelSource, num_slots: int, max_len: int, dtype: torch.dtype,
+                 device: str = "cpu", rng_stream: str = "target", pack: bool = True):
+        config, state = load_state_dict(source)
+        self.model = build_model(config, state, dtype=dtype, device=device)
+        del state
+        if pack and device == "cpu" and dtype == torch.float32:
+            pack_linears(self.model)
+        self.args = self.model.args
+        self.hf_config = config
+        self.device = device
+        self.cache = KVCache(self.args.num_layers, num_slots, max_len, self.args.num_kv_heads,
+                             self.args.head_dim, dtype, device)
+        self.rng_stream = rng_stream  # target and draft draw from independent streams
+        self.generators: dict[str, torch.Generator] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    def add_request(self, request_id: str, seed: int) -> None:
+        # Seed per (request, stream): reusing one seed on both sides would correlate the draft's
+        # draws with the acceptance test and bias the output.
+        digest = hashlib.sha256(f"{seed}:{self.rng_stream}".encode()).digest()
+        self.generators[request_id] = torch.Generator(device="cpu").manual_seed(
+            int.from_bytes(digest[:8], "little"))
+
+    def remove_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
+                last_only: bool = False) -> Tensor:
+        """Ragged forward: row b writes tokens[b] at positions starts[b].. of slot slots[b].
+
+        Returns float32 logits [B, T, V] (padded rows past len(tokens[b]) are garbage),
+        or [B, 1, V] at each row's last token when last_only.
+        """
+        B, T = len(tokens), max(len(t) for t in tokens)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, row in enumerate(tokens):
+            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        # padding continues the row's positions; the cache has room past max_model_len for it
+        positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(T)[None, :]
+        logit_index = torch.tensor([[len(row) - 1] for row in tokens]) if last_only else None
+        dev = self.device
+        return self.model(ids.to(dev), positions.to(dev), self.cache,
+                          torch.tensor(slots, device=dev), None if logit_index is None else logit_index.to(dev))
+
+    def prefill(self, slot: int, tokens: list[int], chunk: int = 512) -> None:
+        """Write tokens at positions 0.. of slot (no logits needed: the next step feeds the last token)."""
+        for start in range(0, len(tokens), chunk):
+            self.forward([slot], [start], [tokens[start:start + chunk]], last_only=True)
