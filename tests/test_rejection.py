@@ -1,0 +1,103 @@
+"""The verification functions alone: greedy, standard (lossless), synthetic."""
+import numpy as np
+import torch
+
+from engine.rejection import recovered_distribution, verify_greedy, verify_standard, verify_synthetic
+from engine.sampling import probs_from_logits
+from stats import ALPHA, chi_squared_pvalue
+
+V = 12
+
+
+def dist(seed, temp=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return probs_from_logits(torch.randn(1, V, generator=g) * 2, temp)[0]
+
+
+def test_greedy_accepts_matching_prefix_then_argmax():
+    logits = torch.full((4, V), -1.0)
+    for pos, best in enumerate([3, 5, 7, 9]):
+        logits[pos, best] = 1.0
+    assert verify_greedy(logits, [3, 5, 7]) == [3, 5, 7, 9]  # all accepted + bonus
+    assert verify_greedy(logits, [3, 4, 7]) == [3, 5]  # stop at first mismatch, take the argmax
+    assert verify_greedy(logits[:1], []) == [3]  # plain decoding
+
+
+def test_standard_single_draft_output_is_target_distribution():
+    """With any q, the first emitted token is distributed as p (accepted draft or recovered)."""
+    p, q = dist(1), dist(2)
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(q, 20000, replacement=True, generator=torch.Generator().manual_seed(1)).tolist()
+    first = [verify_standard(torch.stack([p, p]), [d], q[None], gen)[0] for d in draws]
+    assert chi_squared_pvalue(first, p.numpy()) > ALPHA
+
+
+def test_standard_would_fail_if_recovered_came_from_p():
+    """The same experiment with recovery from p (a common bug) is detectably biased."""
+    p, q = dist(1), dist(2)
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(q, 20000, replacement=True, generator=torch.Generator().manual_seed(1)).tolist()
+    wrong = []
+    for d in draws:
+        if float(torch.rand((), generator=gen)) * float(q[d]) < float(p[d]):
+            wrong.append(d)
+        else:
+            wrong.append(int(torch.multinomial(p, 1, generator=gen)))
+    assert chi_squared_pvalue(wrong, p.numpy()) < ALPHA
+
+
+def test_recovered_distribution_is_normalised_residual():
+    p, q = dist(3), dist(4)
+    r = recovered_distribution(p, q, draft=0)
+    expected = (p - q).clamp(min=0)
+    assert torch.allclose(r, expected / expected.sum())
+    one_hot = recovered_distribution(p, None, draft=5)
+    assert one_hot[5] == 0 and torch.isclose(one_hot.sum(), torch.tensor(1.0))
+    assert torch.allclose(one_hot[:5], p[:5] / (1 - p[5]))
+
+
+def test_standard_greedy_drafter_treats_q_as_one_hot():
+    """q=None (greedy drafting): the draft is accepted with probability p(d)."""
+    p = dist(5)
+    d = int(p.argmax())
+    gen = torch.Generator().manual_seed(7)
+    n = 20000
+    accepted = sum(len(verify_standard(torch.stack([p, p]), [d], None, gen)) == 2 for _ in range(n))
+    assert abs(accepted / n - float(p[d])) < 4 * (float(p[d]) * (1 - float(p[d])) / n) ** 0.5
+
+
+def test_standard_bonus_token_from_last_position():
+    p0 = torch.zeros(V); p0[2] = 1.0
+    p1 = dist(6)
+    gen = torch.Generator().manual_seed(0)
+    bonus = [verify_standard(torch.stack([p0, p1]), [2], None, gen)[1] for _ in range(20000)]
+    assert chi_squared_pvalue(bonus, p1.numpy()) > ALPHA
+
+
+def test_synthetic_acceptance_rates():
+    p = dist(8)
+    gen = torch.Generator().manual_seed(0)
+    rates = [0.8, 0.5, 0.5]
+    lengths = [len(verify_synthetic(torch.stack([p] * 4), [0, 1, 2], rates, gen)) - 1 for _ in range(20000)]
+    counts = np.bincount(lengths, minlength=4) / len(lengths)
+    expected = np.array([0.2, 0.8 * 0.5, 0.8 * 0.5 * 0.5, 0.8 * 0.5 * 0.5])
+    assert np.abs(counts - expected).max() < 0.02
+
+
+def test_seeded_verification_is_reproducible():
+    p, q = dist(9), dist(10)
+    run = lambda: [verify_standard(torch.stack([p, p, p]), [1, 2], torch.stack([q, q]),  # noqa: E731
+                                   torch.Generator().manual_seed(s)) for s in range(50)]
+    assert run() == run()
+
+
+def test_top_k_top_p_temperature():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    assert probs_from_logits(logits, 1.0, top_k=2)[0, 2:].sum() == 0
+    p = probs_from_logits(logits, 1.0, top_p=0.7)[0]
+    full = logits.softmax(-1)[0]
+    assert p[0] > 0 and p[1] > 0 and p[2:].sum() == 0 and full[0] < 0.7
+    greedy = probs_from_logits(logits, 0.0)[0]
+    assert greedy.tolist() == [1.0, 0.0, 0.0, 0.0]
+    sharp = probs_from_logits(logits, 0.5)[0]
+    assert sharp[0] > full[0]
