@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import EngineConfig, check_model_pair
+from engine.config import EngineConfig
 from engine.models.loading import resolve_model
 from engine.proposer import DraftModelProposer
 from engine.step import DraftBatch, DraftOutput, VerifyBatch, VerifyOutput
 from engine.verifier import Verifier
+from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
 
 class LocalExecutor:
-    def __init__(self, config: EngineConfig, max_len: int, cache_len: int):
+    def __init__(self, config: EngineConfig, cache_len: int, vocab_mapping: VocabMapping | None = None):
         spec = config.speculative_config
         device, dtype = config.resolved_device(), config.torch_dtype()
         slots = config.max_num_seqs
@@ -27,9 +28,7 @@ class LocalExecutor:
         self.proposer = None
         if spec is not None:
             self.draft = ModelWorker(resolve_model(spec.model), slots, cache_len, dtype, device, "draft")
-            check_model_pair(spec, self.target.vocab_size, self.draft.vocab_size,
-                             self.target.args.max_position_embeddings, self.draft.args.max_position_embeddings)
-            self.proposer = DraftModelProposer(self.draft, spec)
+            self.proposer = DraftModelProposer(self.draft, spec, self.target.vocab_size, vocab_mapping)
         self.verifier = Verifier(self.target, spec)
 
     def add_request(self, request_id: str, seed: int) -> None:

@@ -6,11 +6,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams, check_model_pair
 from engine.executor import LocalExecutor
 from engine.metrics import SpecDecodeStats
-from engine.models.loading import load_tokenizer, resolve_model
+from engine.models.loading import load_config, load_tokenizer, resolve_model
 from engine.scheduler import Scheduler, Sequence
+from engine.vocab_mapping import VocabMapping
 
 log = logging.getLogger(__name__)
 
@@ -59,23 +60,32 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any):
         kwargs.pop("gpu_memory_utilization", None)  # accepted for vLLM compatibility; CPU caches are sized by slots
         self.config = EngineConfig(model=model, **kwargs)
+        spec = self.config.speculative_config
         target_source = resolve_model(self.config.model)
         self.tokenizer = load_tokenizer(target_source, self.config.tokenizer)
-        from engine.models.loading import load_config
-
         hf_config = load_config(target_source)
         limit = hf_config.max_position_embeddings
-        spec = self.config.speculative_config
+        vocab_mapping = None
+        if spec is not None:
+            draft_source = resolve_model(spec.model)
+            draft_config = load_config(draft_source)
+            # checked before any weights load, so a bad pair fails fast
+            check_model_pair(spec, hf_config.vocab_size, draft_config.vocab_size,
+                             limit, draft_config.max_position_embeddings)
+            limit = min(limit, draft_config.max_position_embeddings)
+            if spec.use_heterogeneous_vocab:
+                vocab_mapping = VocabMapping(self.tokenizer, load_tokenizer(draft_source),
+                                             hf_config.vocab_size, draft_config.vocab_size)
         max_len = self.config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
         if spec is not None and spec.max_model_len is not None:
             max_len = min(max_len, spec.max_model_len)
         if max_len > limit:
-            raise ValueError(f"max_model_len ({max_len}) is above the model's limit ({limit})")
+            raise ValueError(f"max_model_len ({max_len}) is above the models' limit ({limit})")
         self.max_model_len = max_len
         k = spec.num_speculative_tokens if spec else 0
-        self.executor = LocalExecutor(self.config, max_len, cache_len=max_len + k + 1)
+        self.executor = LocalExecutor(self.config, cache_len=max_len + k + 1, vocab_mapping=vocab_mapping)
         self.scheduler = Scheduler(self.executor, self.tokenizer, eos_token_ids(self.tokenizer, hf_config),
-                                   self.config, max_len)
+                                   self.config, max_len, vocab_mapping)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

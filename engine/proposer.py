@@ -15,6 +15,7 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.sampling import mask_tokens, probs_from_logits, sample
 from engine.step import DraftBatch, DraftOutput
+from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
 
 
@@ -23,9 +24,12 @@ class Proposer(Protocol):
 
 
 class DraftModelProposer:
-    def __init__(self, worker: ModelWorker, spec: SpeculativeConfig):
+    def __init__(self, worker: ModelWorker, spec: SpeculativeConfig, target_vocab: int,
+                 vocab_mapping: VocabMapping | None = None):
         self.worker = worker
         self.probabilistic = spec.draft_sample_method == "probabilistic"
+        self.target_vocab = target_vocab
+        self.mapping = vocab_mapping
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> DraftOutput:
@@ -41,11 +45,14 @@ class DraftModelProposer:
                 feed = [[drafts[b][-1]] for b in active]
                 starts = [batch.starts[b] + len(batch.pending[b]) + step - 1 for b in active]
             logits = self.worker.forward([batch.slots[b] for b in active], starts, feed, last_only=True)[:, 0]
+            if self.mapping is not None:
+                logits = self.mapping.constrain_draft_logits(logits)
             for i, b in enumerate(active):
                 row = batch.sampling[b]
                 row_logits = logits[i : i + 1]
                 if step < row.hold_back_until:
-                    row_logits = mask_tokens(row_logits, list(row.held_back_ids), torch.ones(1, dtype=torch.bool))
+                    row_logits = mask_tokens(row_logits, self._draft_ids(row.held_back_ids),
+                                             torch.ones(1, dtype=torch.bool))
                 params = row.params
                 if not self.probabilistic or params.greedy:
                     drafts[b].append(int(row_logits.argmax()))
@@ -53,6 +60,19 @@ class DraftModelProposer:
                 q = probs_from_logits(row_logits, params.temperature, params.top_k, params.top_p)[0]
                 drafts[b].append(sample(q, self.worker.generators[row.request_id]))
                 probs[b].append(q)
+        if self.mapping is not None:
+            drafts = [self.mapping.draft_to_target_ids(d) for d in drafts]
         if not self.probabilistic:
             return DraftOutput(tokens=drafts)
-        return DraftOutput(tokens=drafts, probs=[torch.stack(p) if p else None for p in probs])
+        return DraftOutput(tokens=drafts, probs=[self._target_probs(torch.stack(p)) if p else None for p in probs])
+
+    def _draft_ids(self, target_ids: tuple[int, ...]) -> list[int]:
+        if self.mapping is None:
+            return list(target_ids)
+        return [d for d in self.mapping.target_to_draft[list(target_ids)].tolist() if d >= 0]
+
+    def _target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """q [k, V_draft] -> [k, V_target]: the verifier compares it with the target's p."""
+        if self.mapping is None:
+            return q
+        return self.mapping.draft_probs_to_target(q, self.target_vocab)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig, SamplingParams
 from engine.metrics import SpecDecodeStats
 from engine.step import DraftBatch, RowSampling, VerifyBatch
+from engine.vocab_mapping import VocabMapping
 
 
 @dataclass
@@ -42,8 +43,10 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int):
+    def __init__(self, executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
+                 vocab_mapping: VocabMapping | None = None):
         self.executor = executor
+        self.vocab_mapping = vocab_mapping
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.spec = config.speculative_config
@@ -129,9 +132,13 @@ class Scheduler:
             seq.slot = self.free_slots.pop()
             self.executor.add_request(seq.request_id, seq.seed)
             prefix = seq.prompt_ids[:-1]  # the last prompt token is fed by the first step
-            seq.draft_ids = list(seq.prompt_ids)
-            self.executor.prefill(seq.slot, prefix, prefix if self.spec else None)
-            seq.target_cached = seq.draft_cached = len(prefix)
+            if self.vocab_mapping is not None:  # the draft reads the same text in its own tokens
+                seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
+            else:
+                seq.draft_ids = list(seq.prompt_ids)
+            draft_prefix = seq.draft_ids[:-1]
+            self.executor.prefill(seq.slot, prefix, draft_prefix if self.spec else None)
+            seq.target_cached, seq.draft_cached = len(prefix), len(draft_prefix)
             self.running.append(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -162,9 +169,9 @@ class Scheduler:
 
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
         p = seq.params
+        start = len(seq.output_ids)
         for token in tokens:
             seq.output_ids.append(token)
-            seq.draft_ids.append(token)
             if not p.ignore_eos and token in self.eos_ids:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_ids:
@@ -177,6 +184,8 @@ class Scheduler:
                 break
         if not p.stop:
             self._detokenize(seq)
+        added = seq.output_ids[start:]
+        seq.draft_ids.extend(self.vocab_mapping.to_draft(added) if self.vocab_mapping else added)
 
     def _detokenize(self, seq: Sequence) -> None:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)

@@ -1,5 +1,6 @@
-"""Chi-squared goodness of fit, shared by the lossless-sampling tests."""
+"""Chi-squared goodness of fit and exact target distributions, shared by the lossless-sampling tests."""
 import numpy as np
+import torch
 from scipy.stats import chisquare
 
 # A test fails when p < ALPHA. Seeds are fixed, so each run is deterministic; ALPHA only states
@@ -19,3 +20,20 @@ def chi_squared_pvalue(samples: list[int], expected_probs: np.ndarray) -> float:
         obs, exp = obs[:-1], exp[:-1]
     exp = exp * obs.sum() / exp.sum()
     return float(chisquare(obs, exp).pvalue)
+
+
+def exact_first_two(llm, prompt_ids: list[int], temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """P(t1) and P(t2) = sum over t1 of P(t1) P(t2 | t1), computed from the target model directly."""
+    from engine.kv_cache import KVCache
+    from engine.sampling import probs_from_logits
+
+    model = llm.executor.target.model
+    a = model.args
+    n, V = len(prompt_ids), a.vocab_size
+    cache = KVCache(a.num_layers, V, n + 2, a.num_kv_heads, a.head_dim, torch.float32)
+    with torch.no_grad():
+        rows = torch.tensor([prompt_ids + [t] for t in range(V)])  # every possible t1, one row each
+        logits = model(rows, torch.arange(n + 1)[None].expand(V, -1), cache, torch.arange(V))
+    p1 = probs_from_logits(logits[0, n - 1 : n], temperature)[0]
+    p2_given = probs_from_logits(logits[:, -1], temperature)  # [V(t1), V(t2)]
+    return p1.numpy(), (p1[:, None] * p2_given).sum(0).numpy()

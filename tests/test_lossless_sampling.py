@@ -3,33 +3,14 @@ equals the target's own (chi-squared, fixed seeds, ALPHA in stats.py).
 
 Target and draft are two different random tiny models (vocab 48).
 """
-import numpy as np
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from engine.kv_cache import KVCache
-from engine.sampling import probs_from_logits
-from stats import ALPHA, chi_squared_pvalue
+from stats import ALPHA, chi_squared_pvalue, exact_first_two
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 PROMPT = "the cat"
 N = 4000
-
-
-def exact_first_two(llm: LLM, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-    """P(t1) and P(t2) = sum over t1 of P(t1) P(t2 | t1), from the target model directly."""
-    model = llm.executor.target.model
-    a = model.args
-    ids = llm.get_tokenizer().encode(PROMPT)
-    V = a.vocab_size
-    cache = KVCache(a.num_layers, V, len(ids) + 2, a.num_kv_heads, a.head_dim, torch.float32)
-    with torch.no_grad():
-        rows = torch.tensor([ids + [t] for t in range(V)])  # every possible t1, one row each
-        logits = model(rows, torch.arange(len(ids) + 1)[None].expand(V, -1), cache, torch.arange(V))
-    p1 = probs_from_logits(logits[0, len(ids) - 1 : len(ids)], temperature)[0]
-    p2_given = probs_from_logits(logits[:, -1], temperature)  # [V(t1), V(t2)]
-    return p1.numpy(), (p1[:, None] * p2_given).sum(0).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +28,7 @@ def test_first_two_tokens_follow_target(plain, temperature, draft_sample_method)
     outs = llm.generate([PROMPT] * N, params)
     first = [o.outputs[0].token_ids[0] for o in outs]
     second = [o.outputs[0].token_ids[1] for o in outs]
-    p1, p2 = exact_first_two(plain, temperature)
+    p1, p2 = exact_first_two(plain, plain.get_tokenizer().encode(PROMPT), temperature)
     assert chi_squared_pvalue(first, p1) > ALPHA
     assert chi_squared_pvalue(second, p2) > ALPHA
     stats = llm.spec_decode_stats
@@ -59,5 +40,5 @@ def test_chi_squared_detects_a_wrong_distribution(plain):
     draft = LLM(model=DRAFT, max_num_seqs=64)
     params = [SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, seed=s) for s in range(N)]
     first = [o.outputs[0].token_ids[0] for o in draft.generate([PROMPT] * N, params)]
-    p1, _ = exact_first_two(plain, 1.0)
+    p1, _ = exact_first_two(plain, plain.get_tokenizer().encode(PROMPT), 1.0)
     assert chi_squared_pvalue(first, p1) < ALPHA

@@ -1,0 +1,131 @@
+"""Cost of one forward step at batch 1: 1 token (plain decode) vs 5 tokens (verify K=4), ours vs
+transformers' own forward on the same weights, against the memory-bandwidth floor.
+
+    .venv/bin/python benchmarks/decode_step.py [--models smollm2 llama-1.7b] [--iters 20]
+
+Prints a table and writes benchmarks/results/decode_step.json. All numbers of one run come from
+the same process, so compare ratios, not absolute times (the machine is shared).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVCache
+from engine.models import build_model, load_state_dict, resolve_model
+from engine.models.linear import pack_linears
+
+MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "llama-1.7b": "random:llama-1.7b"}
+CONTEXT = 128  # tokens already in the cache when the timed step runs
+
+
+def timed(fn, iters: int) -> float:
+    """Median milliseconds of fn() over iters runs, after two warm-up runs."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def matvec_bandwidth(iters: int) -> float:
+    """Bytes/s of a float32 matrix-vector product over a 512 MB matrix (far larger than any cache)."""
+    w = torch.randn(65536, 2048)
+    x = torch.randn(1, 2048)
+    ms = timed(lambda: F.linear(x, w), iters)
+    return w.numel() * 4 / (ms / 1e3)
+
+
+@torch.inference_mode()
+def bench_ours(config, state, iters: int) -> dict[str, float]:
+    model = build_model(config, state)
+    pack_linears(model)
+    a = model.args
+    cache = KVCache(a.num_layers, 1, CONTEXT + 8, a.num_kv_heads, a.head_dim, torch.float32)
+    slots = torch.tensor([0])
+    prompt = torch.randint(0, a.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    model(prompt, torch.arange(CONTEXT)[None], cache, slots)
+    out = {}
+    for n in (1, 5):
+        ids = prompt[:, :n]
+        pos = torch.arange(CONTEXT, CONTEXT + n)[None]
+        out[f"ours_{n}"] = timed(lambda: model(ids, pos, cache, slots), iters)
+    del model
+    return out
+
+
+@torch.inference_mode()
+def bench_hf(config, state, iters: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        hf.tie_weights()
+    hf.eval()
+    prompt = torch.randint(0, config.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=config)
+    hf(prompt, past_key_values=cache, use_cache=True)
+    out = {}
+    for n in (1, 5):
+        ids = prompt[:, :n]
+
+        def step():
+            hf(ids, past_key_values=cache, use_cache=True)
+            cache.crop(CONTEXT)
+
+        out[f"hf_{n}"] = timed(step, iters)
+    del hf
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    bandwidth = matvec_bandwidth(args.iters)
+    rows = []
+    for key in args.models:
+        config, state = load_state_dict(resolve_model(MODELS[key]))
+        weight_bytes = sum(t.numel() * 4 for t in state.values())
+        row = {"model": key, "weight_mb": weight_bytes / 1e6,
+               "floor_ms": weight_bytes / bandwidth * 1e3}
+        row.update(bench_ours(config, state, args.iters))
+        row.update(bench_hf(config, state, args.iters))
+        row["ours_5_over_1"] = row["ours_5"] / row["ours_1"]
+        row["hf_5_over_1"] = row["hf_5"] / row["hf_1"]
+        row["hf_1_over_ours_1"] = row["hf_1"] / row["ours_1"]
+        rows.append(row)
+        del state
+
+    print(f"matrix-vector bandwidth: {bandwidth / 1e9:.1f} GB/s, context {CONTEXT} tokens, "
+          f"{args.threads} threads, median of {args.iters}")
+    head = f"{'model':<11}{'floor':>8}{'ours 1':>9}{'ours 5':>9}{'5/1':>6}{'HF 1':>9}{'HF 5':>9}{'5/1':>6}{'HF/ours':>9}"
+    print(head)
+    for r in rows:
+        print(f"{r['model']:<11}{r['floor_ms']:>7.1f} {r['ours_1']:>8.1f} {r['ours_5']:>8.1f} "
+              f"{r['ours_5_over_1']:>5.2f} {r['hf_1']:>8.1f} {r['hf_5']:>8.1f} {r['hf_5_over_1']:>5.2f} "
+              f"{r['hf_1_over_ours_1']:>8.2f}x")
+    print("(milliseconds per forward at batch 1; floor = weight bytes / matrix-vector bandwidth)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"bandwidth_gb_s": bandwidth / 1e9, "context": CONTEXT,
+                                          "threads": args.threads, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
