@@ -24,8 +24,10 @@ class ModelWorker:
         config, state = load_state_dict(source)
         self.model = build_model(config, state, dtype=dtype, device=device)
         del state
-        if pack and device == "cpu" and dtype == torch.float32:
-            pack_linears(self.model)
+        if pack:
+            self.model.fuse_projections()
+            if device == "cpu" and dtype == torch.float32:
+                pack_linears(self.model)
         self.args = self.model.args
         self.hf_config = config
         self.device = device

@@ -29,7 +29,8 @@ def cache_for(model, slots=4, length=96):
 @pytest.mark.parametrize("packed", [False, True])
 def test_logits_match_transformers(name, packed):
     ours, hf = ours_and_hf(name)
-    if packed:
+    if packed:  # the inference path: fused q|k|v and gate|up, oneDNN-packed weights
+        ours.fuse_projections()
         assert pack_linears(ours) > 0
     ids = torch.randint(3, ours.args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -47,6 +48,7 @@ def test_logits_match_transformers(name, packed):
 @pytest.mark.parametrize("name", ["random:tiny-llama", "random:tiny-gemma3"])
 def test_ragged_batch_equals_one_by_one(name):
     ours = build_model(*load_state_dict(resolve_model(name)))
+    ours.fuse_projections()
     pack_linears(ours)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 48, (n,), generator=gen).tolist() for n in (12, 20, 5)]

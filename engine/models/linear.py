@@ -32,7 +32,7 @@ def pack_linears(model: nn.Module) -> int:
     if not onednn_available():
         return 0
     shared = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
-              if not name.endswith(("proj.weight", "lm_head.weight"))}
+              if not name.endswith(("_proj.weight", "lm_head.weight"))}
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" \

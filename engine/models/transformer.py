@@ -143,11 +143,21 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def fuse(self) -> None:
+        """One q|k|v matrix: a single small-M GEMM costs far less than three (see decode_step.py)."""
+        self.qkv_proj = _concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.q_proj = self.k_proj = self.v_proj = None
+
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
         B, T, _ = x.shape
-        q = linear(x, self.q_proj).view(B, T, -1, self.head_dim)
-        k = linear(x, self.k_proj).view(B, T, -1, self.head_dim)
-        v = linear(x, self.v_proj).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if getattr(self, "qkv_proj", None) is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
+        q = q.view(B, T, -1, self.head_dim)
+        k = k.view(B, T, -1, self.head_dim)
+        v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
@@ -160,6 +170,16 @@ class Attention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, H, T, D]
         return linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
+
+
+def _concat_linears(*layers: nn.Linear) -> nn.Linear:
+    weight = torch.cat([l.weight for l in layers])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if layers[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
+    return fused
 
 
 class MLP(nn.Module):
@@ -175,8 +195,16 @@ class MLP(nn.Module):
         else:
             raise ValueError(f"activation {args.hidden_act!r} is not supported")
 
+    def fuse(self) -> None:
+        self.gate_up_proj = _concat_linears(self.gate_proj, self.up_proj)
+        self.gate_proj = self.up_proj = None
+
     def forward(self, x: Tensor) -> Tensor:
-        return linear(self.act(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+        if getattr(self, "gate_up_proj", None) is not None:
+            gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        else:
+            gate, up = linear(x, self.gate_proj), linear(x, self.up_proj)
+        return linear(self.act(gate) * up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -240,6 +268,12 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Merge q/k/v and gate/up weights for inference (after any sharding, before packing)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(self, tokens: Tensor, positions: Tensor, cache, slots: Tensor,
                 logit_index: Tensor | None = None) -> Tensor:
