@@ -64,7 +64,6 @@ def bench_ours(config, state, iters: int) -> dict[str, float]:
         ids = prompt[:, :n]
         pos = torch.arange(CONTEXT, CONTEXT + n)[None]
         out[f"ours_{n}"] = timed(lambda: model(ids, pos, cache, slots), iters)
-    del model
     return out
 
 
@@ -93,7 +92,6 @@ def bench_hf(config, state, iters: int) -> dict[str, float]:
             cache.crop(-n)  # drop the n tokens just added
 
         out[f"hf_{n}"] = timed(step, iters)
-    del hf
     return out
 
 

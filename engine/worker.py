@@ -6,7 +6,6 @@ slots and lengths. Drafting and verification are its two jobs (proposer.py, veri
 from __future__ import annotations
 
 import hashlib
-import logging
 
 import torch
 from torch import Tensor
@@ -14,8 +13,6 @@ from torch import Tensor
 from engine.kv_cache import KVCache
 from engine.models.linear import pack_linears
 from engine.models.loading import ModelSource, build_model, load_state_dict
-
-log = logging.getLogger(__name__)
 
 
 class ModelWorker:

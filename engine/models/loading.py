@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from engine.models.presets import random_checkpoint
 from engine.models.transformer import ModelArgs, Transformer
-
-log = logging.getLogger(__name__)
 
 
 def _smollm2_gguf() -> Path:
@@ -177,7 +173,3 @@ def build_model(config, state: dict[str, torch.Tensor], dtype: torch.dtype = tor
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model.to(dtype=dtype).eval().requires_grad_(False)
-
-
-def describe(source: ModelSource) -> str:
-    return json.dumps({"kind": source.kind, "path": source.path, "seed": source.seed})
