@@ -50,12 +50,12 @@ def matvec_bandwidth(iters: int) -> float:
 
 
 @torch.inference_mode()
-def bench_ours(config, state, iters: int) -> dict[str, float]:
-    model = build_model(config, state)
+def bench_ours(config, state, iters: int, dtype: torch.dtype) -> dict[str, float]:
+    model = build_model(config, state, dtype=dtype)
     model.fuse_projections()
-    pack_linears(model)
+    pack_linears(model)  # float32 only; bfloat16 runs F.linear (oneDNN inside)
     a = model.args
-    cache = KVCache(a.num_layers, 1, CONTEXT + 8, a.num_kv_heads, a.head_dim, torch.float32)
+    cache = KVCache(a.num_layers, 1, CONTEXT + 8, a.num_kv_heads, a.head_dim, dtype)
     slots = torch.tensor([0])
     prompt = torch.randint(0, a.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
     model(prompt, torch.arange(CONTEXT)[None], cache, slots)
@@ -68,13 +68,13 @@ def bench_ours(config, state, iters: int) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def bench_hf(config, state, iters: int) -> dict[str, float]:
+def bench_hf(config, state, iters: int, dtype: torch.dtype) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     with torch.device("meta"):  # no random init: the weights are assigned from `state`
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     hf.to_empty(device="cpu")
-    hf.load_state_dict(state, strict=False, assign=True)
+    hf.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     rotary = hf.model.rotary_emb  # its inv_freq buffer is not in the state dict: rebuild it
     hf.model.rotary_emb = type(rotary)(config=config)
     if config.tie_word_embeddings:
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -108,26 +109,28 @@ def main() -> None:
     rows = []
     for key in args.models:
         config, state = load_state_dict(resolve_model(MODELS[key]))
-        weight_bytes = sum(t.numel() * 4 for t in state.values())
-        row = {"model": key, "weight_mb": weight_bytes / 1e6,
-               "floor_ms": weight_bytes / bandwidth * 1e3}
-        row.update(bench_ours(config, state, args.iters))
-        row.update(bench_hf(config, state, args.iters))
-        row["ours_5_over_1"] = row["ours_5"] / row["ours_1"]
-        row["hf_5_over_1"] = row["hf_5"] / row["hf_1"]
-        row["hf_1_over_ours_1"] = row["hf_1"] / row["ours_1"]
-        rows.append(row)
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            weight_bytes = sum(t.numel() * dtype.itemsize for t in state.values())
+            row = {"model": key, "dtype": dtype_name, "weight_mb": weight_bytes / 1e6,
+                   "floor_ms": weight_bytes / bandwidth * 1e3}
+            row.update(bench_ours(config, state, args.iters, dtype))
+            row.update(bench_hf(config, state, args.iters, dtype))
+            row["ours_5_over_1"] = row["ours_5"] / row["ours_1"]
+            row["hf_5_over_1"] = row["hf_5"] / row["hf_1"]
+            row["hf_1_over_ours_1"] = row["hf_1"] / row["ours_1"]
+            rows.append(row)
         del state
 
     print(f"matrix-vector bandwidth: {bandwidth / 1e9:.1f} GB/s, context {CONTEXT} tokens, "
           f"{args.threads} threads, median of {args.iters}")
-    head = f"{'model':<11}{'floor':>8}{'ours 1':>9}{'ours 5':>9}{'5/1':>6}{'HF 1':>9}{'HF 5':>9}{'5/1':>6}{'HF/ours':>9}"
+    head = f"{'model':<11}{'dtype':<9}{'floor':>8}{'ours 1':>9}{'ours 5':>9}{'5/1':>6}{'HF 1':>9}{'HF 5':>9}{'5/1':>6}{'HF/ours':>9}"
     print(head)
     for r in rows:
-        print(f"{r['model']:<11}{r['floor_ms']:>7.1f} {r['ours_1']:>8.1f} {r['ours_5']:>8.1f} "
+        print(f"{r['model']:<11}{r['dtype']:<9}{r['floor_ms']:>7.1f} {r['ours_1']:>8.1f} {r['ours_5']:>8.1f} "
               f"{r['ours_5_over_1']:>5.2f} {r['hf_1']:>8.1f} {r['hf_5']:>8.1f} {r['hf_5_over_1']:>5.2f} "
               f"{r['hf_1_over_ours_1']:>8.2f}x")
-    print("(milliseconds per forward at batch 1; floor = weight bytes / matrix-vector bandwidth)")
+    print("(milliseconds per forward at batch 1; floor = weight bytes / float32 matrix-vector bandwidth)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"bandwidth_gb_s": bandwidth / 1e9, "context": CONTEXT,
                                           "threads": args.threads, "rows": rows}, indent=2))

@@ -89,8 +89,10 @@ def fallback_id(tokenizer, side: str) -> int:
 
 
 class VocabMapping:
-    def __init__(self, target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int):
+    def __init__(self, target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int,
+                 retokenize: bool = True):
         self.target_tokenizer, self.draft_tokenizer = target_tokenizer, draft_tokenizer
+        self.retokenize = retokenize  # False: tokens the draft lacks become its unk (plain TLI)
         self.target_bytes, target_is_byte = token_bytes(target_tokenizer, target_vocab)
         draft_bytes, draft_is_byte = token_bytes(draft_tokenizer, draft_vocab)
         by_bytes: dict[bytes, int] = {}
@@ -145,10 +147,11 @@ class VocabMapping:
         ids = self.draft_tokenizer.encode(text)
         return ids or [self.draft_unk]
 
-    def to_draft(self, target_ids: list[int], retokenize: bool = True) -> list[int]:
+    def to_draft(self, target_ids: list[int], retokenize: bool | None = None) -> list[int]:
         """New target tokens in the draft's vocabulary. Runs of tokens with no draft id are
         re-tokenized from their bytes by the draft tokenizer (so the draft sees the same text);
         with retokenize=False they become the draft's unk (the plain TLI fallback)."""
+        retokenize = self.retokenize if retokenize is None else retokenize
         out: list[int] = []
         run: list[int] = []
 

@@ -132,6 +132,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.attn_scale
         self.window = args.layer_windows[layer]
+        self.tp_group = None  # set by engine/models/tp.py when sharded
         bias = args.attention_bias
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
@@ -169,7 +170,10 @@ class Attention(nn.Module):
             q, keys, values, attn_mask=mask, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, H, T, D]
-        return linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
+        out = linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
+        if self.tp_group is not None:  # row-parallel o_proj: sum the ranks' partial outputs
+            torch.distributed.all_reduce(out, group=self.tp_group)
+        return out
 
 
 def _concat_linears(*layers: nn.Linear) -> nn.Linear:
@@ -188,6 +192,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.tp_group = None
         if args.hidden_act == "silu":
             self.act = F.silu
         elif args.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -204,7 +209,10 @@ class MLP(nn.Module):
             gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
         else:
             gate, up = linear(x, self.gate_proj), linear(x, self.up_proj)
-        return linear(self.act(gate) * up, self.down_proj)
+        out = linear(self.act(gate) * up, self.down_proj)
+        if self.tp_group is not None:  # row-parallel down_proj
+            torch.distributed.all_reduce(out, group=self.tp_group)
+        return out
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,52 @@
+"""Tensor parallelism as a separate pass over a built model (gpt-fast's tp.py, with explicit collectives).
+
+Column-parallel: q/k/v and gate/up keep 1/tp of their output rows (whole heads, whole MLP slices).
+Row-parallel: o and down keep 1/tp of their input columns; their partial outputs are summed by an
+all-reduce that the layer's forward calls itself (Attention/MLP.forward, via `tp_group`).
+Embedding and LM head stay replicated: a vocab-parallel LM head would save 1/tp of its read per
+step but add an all-gather of [B, T, V] logits (or a distributed sampler); on these small models
+the replicated head keeps every rank's logits identical, so sampling needs no collective at all.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from engine.models.transformer import Transformer
+
+
+def _keep_rows(layer: nn.Linear, rank: int, world: int) -> None:
+    rows = layer.weight.shape[0] // world
+    layer.weight = nn.Parameter(layer.weight[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
+    if layer.bias is not None:
+        layer.bias = nn.Parameter(layer.bias[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
+
+
+def _keep_cols(layer: nn.Linear, rank: int, world: int) -> None:
+    cols = layer.weight.shape[1] // world
+    layer.weight = nn.Parameter(layer.weight[:, rank * cols : (rank + 1) * cols].clone(), requires_grad=False)
+
+
+def check_shardable(args, world: int) -> None:
+    if world == 1:
+        return
+    for what, n in (("attention heads", args.num_heads), ("key/value heads", args.num_kv_heads),
+                    ("MLP intermediate size", args.intermediate_size)):
+        if n % world:
+            raise ValueError(f"tensor_parallel_size {world} does not divide the model's {what} ({n})")
+
+
+def shard(model: Transformer, rank: int, world: int, group) -> Transformer:
+    """Keep rank's shard of every layer in place; layers then all-reduce over `group`."""
+    check_shardable(model.args, world)
+    if world == 1:
+        return model
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            _keep_rows(proj, rank, world)
+        _keep_cols(attn.o_proj, rank, world)
+        _keep_cols(mlp.down_proj, rank, world)
+        attn.num_heads //= world
+        attn.num_kv_heads //= world
+        attn.tp_group = mlp.tp_group = group
+    return model
