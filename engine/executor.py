@@ -1,11 +1,19 @@
-"""Executors run the model groups. LocalExecutor keeps both in this process.
+"""Executors run the two model groups (target, draft). The scheduler sees only this interface.
 
-The scheduler talks only to this interface, so a RayExecutor (one actor per tensor-parallel rank)
-can take its place without the scheduler knowing.
+A model group is `tp` GroupRanks, one per device, all running the same forward on their shard.
+LocalExecutor keeps one rank per group in this process. RayExecutor makes each rank a Ray actor in a
+placement group, joins each group's ranks in its own torch.distributed group (gloo on CPU, NCCL on
+CUDA), sends every call to every rank and reads rank 0. The draft group's result goes to the
+target group as an ObjectRef, so Ray moves it without the coordinator touching it, and sampling
+happens inside the target group: full logits never leave it.
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
+
+import torch
 
 from engine.config import EngineConfig
 from engine.models.loading import resolve_model
@@ -18,28 +26,75 @@ from engine.worker import ModelWorker
 log = logging.getLogger(__name__)
 
 
-class LocalExecutor:
-    def __init__(self, config: EngineConfig, cache_len: int, vocab_mapping: VocabMapping | None = None):
+class ExecutorError(RuntimeError):
+    """A model group failed (a worker died or timed out); in-flight requests cannot continue."""
+
+
+class GroupRank:
+    """One rank of a model group: a ModelWorker shard and the group's job (drafting or verifying)."""
+
+    def __init__(self, role: str, config: EngineConfig, cache_len: int, target_vocab: int,
+                 vocab_mapping: VocabMapping | None = None, rank: int = 0, world: int = 1,
+                 dist_address: str | None = None, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        device = config.resolved_device()
+        group = None
+        if world > 1:
+            if device == "cuda":
+                torch.cuda.set_device(0)  # Ray gives each rank actor one visible GPU
+            torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo",
+                                                 init_method=f"tcp://{dist_address}", rank=rank, world_size=world)
+            group = torch.distributed.group.WORLD
         spec = config.speculative_config
-        device, dtype = config.resolved_device(), config.torch_dtype()
-        slots = config.max_num_seqs
-        self.target = ModelWorker(resolve_model(config.model), slots, cache_len, dtype, device, "target")
-        self.draft = None
-        self.proposer = None
-        if spec is not None:
-            self.draft = ModelWorker(resolve_model(spec.model), slots, cache_len, dtype, device, "draft")
-            self.proposer = DraftModelProposer(self.draft, spec, self.target.vocab_size, vocab_mapping)
-        self.verifier = Verifier(self.target, spec)
+        name = config.model if role == "target" else spec.model
+        self.worker = ModelWorker(resolve_model(name), config.max_num_seqs, cache_len, config.torch_dtype(),
+                                  device, rng_stream=role, rank=rank, world=world, group=group)
+        self.rank = rank
+        if role == "draft":
+            self.proposer = DraftModelProposer(self.worker, spec, target_vocab, vocab_mapping)
+        else:
+            self.verifier = Verifier(self.worker, spec)
+
+    def ready(self) -> bool:
+        return True
 
     def add_request(self, request_id: str, seed: int) -> None:
-        for w in (self.target, self.draft):
-            if w is not None:
-                w.add_request(request_id, seed)
+        self.worker.add_request(request_id, seed)
 
     def remove_request(self, request_id: str) -> None:
-        for w in (self.target, self.draft):
-            if w is not None:
-                w.remove_request(request_id)
+        self.worker.remove_request(request_id)
+
+    def prefill(self, slot: int, tokens: list[int]) -> None:
+        self.worker.prefill(slot, tokens)
+
+    def propose(self, batch: DraftBatch) -> DraftOutput | None:
+        out = self.proposer.propose(batch)
+        return out if self.rank == 0 else None
+
+    def verify(self, batch: VerifyBatch, drafts: DraftOutput | None) -> VerifyOutput | None:
+        out = self.verifier.verify(batch, drafts)
+        return out if self.rank == 0 else None
+
+
+class LocalExecutor:
+    def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
+                 vocab_mapping: VocabMapping | None = None):
+        self.target = GroupRank("target", config, cache_len, target_vocab)
+        self.draft = None
+        if config.speculative_config is not None:
+            self.draft = GroupRank("draft", config, cache_len, target_vocab, vocab_mapping)
+
+    def _ranks(self):
+        return [r for r in (self.target, self.draft) if r is not None]
+
+    def add_request(self, request_id: str, seed: int) -> None:
+        for r in self._ranks():
+            r.add_request(request_id, seed)
+
+    def remove_request(self, request_id: str) -> None:
+        for r in self._ranks():
+            r.remove_request(request_id)
 
     def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None) -> None:
         if target_tokens:
@@ -47,20 +102,124 @@ class LocalExecutor:
         if self.draft is not None and draft_tokens:
             self.draft.prefill(slot, draft_tokens)
 
-    def step(self, verify: VerifyBatch, draft: DraftBatch | None) -> tuple[VerifyOutput, DraftOutput | None]:
-        drafts = self.proposer.propose(draft) if draft is not None else None
-        if drafts is not None:
-            # the draft batch covers only rows with k > 0: spread its output over the verify rows
-            drafts = _align(drafts, draft, verify)
-        return self.verifier.verify(verify, drafts), drafts
+    def step(self, verify: VerifyBatch, draft: DraftBatch | None) -> VerifyOutput:
+        drafts = self.draft.propose(draft) if draft is not None else None
+        return self.target.verify(verify, drafts)
+
+    def restart(self) -> None:
+        pass  # nothing in this process can die without taking the process with it
+
+    def shutdown(self) -> None:
+        pass
 
 
-def _align(drafts: DraftOutput, draft: DraftBatch, verify: VerifyBatch) -> DraftOutput:
-    by_slot = {slot: i for i, slot in enumerate(draft.slots)}
-    tokens, probs = [], [] if drafts.probs is not None else None
-    for slot in verify.slots:
-        i = by_slot.get(slot)
-        tokens.append(drafts.tokens[i] if i is not None else [])
-        if probs is not None:
-            probs.append(drafts.probs[i] if i is not None else None)
-    return DraftOutput(tokens=tokens, probs=probs)
+def _free_address() -> str:
+    """host:port free on this node, for a torch.distributed rendezvous (run on rank 0's node)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    import ray
+
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+class RayExecutor:
+    """Target and draft groups as Ray actors, one per tensor-parallel rank."""
+
+    def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
+                 vocab_mapping: VocabMapping | None = None, timeout_s: float = 600.0):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(ignore_reinit_error=True, log_to_driver=False)
+        self.config, self.cache_len, self.target_vocab = config, cache_len, target_vocab
+        self.vocab_mapping, self.timeout_s = vocab_mapping, timeout_s
+        self._start()
+
+    def _start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        config = self.config
+        cuda = config.resolved_device() == "cuda"
+        bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
+        tp = config.tensor_parallel_size
+        dtp = config.draft_tensor_parallel_size if config.speculative_config else 0
+        self.placement = placement_group([bundle] * (tp + dtp), strategy="PACK")
+        try:
+            ray.get(self.placement.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise ExecutorError(f"could not reserve {tp + dtp} x {bundle} in the Ray cluster "
+                                f"(cluster resources: {ray.cluster_resources()})") from None
+        self.target = self._group("target", tp, 0)
+        self.draft = self._group("draft", dtp, tp) if dtp else []
+        self._get([r.ready.remote() for r in self.target + self.draft])
+
+    def _group(self, role: str, world: int, first_bundle: int) -> list:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cuda = self.config.resolved_device() == "cuda"
+
+        def placed(bundle: int) -> dict:
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.placement, placement_group_bundle_index=bundle)}
+
+        address = None
+        if world > 1:  # rank 0's node picks the rendezvous port, so two engines never collide
+            address = ray.get(ray.remote(_free_address).options(num_cpus=0, **placed(first_bundle)).remote())
+        threads = None if cuda else max(1, (os.cpu_count() or 1) // world)
+        actor = ray.remote(GroupRank)
+        resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 1}
+        return [actor.options(**resources, **placed(first_bundle + rank)).remote(
+                    role, self.config, self.cache_len, self.target_vocab,
+                    self.vocab_mapping if role == "draft" else None, rank, world, address, threads)
+                for rank in range(world)]
+
+    def _get(self, refs):
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                ray.exceptions.ActorUnavailableError) as e:
+            raise ExecutorError(f"model worker failed: {type(e).__name__}: {e}") from e
+        except ray.exceptions.RayTaskError as e:
+            raise ExecutorError(f"model worker raised: {e}") from e
+
+    def _all(self):
+        return self.target + self.draft
+
+    def add_request(self, request_id: str, seed: int) -> None:
+        self._get([r.add_request.remote(request_id, seed) for r in self._all()])
+
+    def remove_request(self, request_id: str) -> None:
+        self._get([r.remove_request.remote(request_id) for r in self._all()])
+
+    def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None) -> None:
+        refs = [r.prefill.remote(slot, target_tokens) for r in self.target] if target_tokens else []
+        if draft_tokens:
+            refs += [r.prefill.remote(slot, draft_tokens) for r in self.draft]
+        self._get(refs)
+
+    def step(self, verify: VerifyBatch, draft: DraftBatch | None) -> VerifyOutput:
+        draft_refs = [r.propose.remote(draft) for r in self.draft] if draft is not None else []
+        drafts = draft_refs[0] if draft_refs else None  # an ObjectRef: Ray hands it to the target ranks
+        verify_refs = [r.verify.remote(verify, drafts) for r in self.target]
+        return self._get(verify_refs + draft_refs)[0]
+
+    def restart(self) -> None:
+        """Replace both groups with fresh actors (after a failure)."""
+        log.warning("restarting the model groups")
+        self.shutdown()
+        self._start()
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for r in getattr(self, "target", []) + getattr(self, "draft", []):
+            ray.kill(r, no_restart=True)
+        if getattr(self, "placement", None) is not None:
+            remove_placement_group(self.placement)
+            self.placement = None

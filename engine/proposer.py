@@ -63,8 +63,9 @@ class DraftModelProposer:
         if self.mapping is not None:
             drafts = [self.mapping.draft_to_target_ids(d) for d in drafts]
         if not self.probabilistic:
-            return DraftOutput(tokens=drafts)
-        return DraftOutput(tokens=drafts, probs=[self._target_probs(torch.stack(p)) if p else None for p in probs])
+            return DraftOutput(slots=batch.slots, tokens=drafts)
+        return DraftOutput(slots=batch.slots, tokens=drafts,
+                           probs=[self._target_probs(torch.stack(p)) if p else None for p in probs])
 
     def _draft_ids(self, target_ids: tuple[int, ...]) -> list[int]:
         if self.mapping is None:

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SamplingParams
+from engine.executor import ExecutorError
 from engine.metrics import SpecDecodeStats
 from engine.step import DraftBatch, RowSampling, VerifyBatch
 from engine.vocab_mapping import VocabMapping
@@ -29,7 +30,8 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)  # the draft's view of prompt+output
     draft_cached: int = 0
     text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
     stop_reason: int | str | None = None
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
@@ -86,9 +88,15 @@ class Scheduler:
 
     def step(self) -> list[Sequence]:
         """Run one round; return the sequences that got new tokens (finished ones included)."""
-        self._admit()
-        if not self.running:
-            return []
+        try:
+            self._admit()
+            if not self.running:
+                return []
+            return self._round()
+        except ExecutorError as e:
+            return self._fail_running(str(e))
+
+    def _round(self) -> list[Sequence]:
         rows = list(self.running)
         ks = [self._num_drafts(seq) for seq in rows]
         sampling = [self._row_sampling(seq) for seq in rows]
@@ -108,7 +116,7 @@ class Scheduler:
                 num_drafts=[ks[b] for b in drafting],
                 sampling=[sampling[b] for b in drafting],
             )
-        result, drafts = self.executor.step(verify, draft)
+        result = self.executor.step(verify, draft)
         for b, seq in enumerate(rows):
             k = ks[b]
             new, accepted = result.tokens[b], result.num_accepted[b]
@@ -126,10 +134,22 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _fail_running(self, message: str) -> list[Sequence]:
+        """A model group died: end every running sequence with the error, then rebuild the groups.
+        Waiting requests keep their place and run on the new groups."""
+        failed = list(self.running)
+        for seq in failed:
+            seq.finish_reason, seq.error = "error", message
+            self.free_slots.append(seq.slot)
+        self.running.clear()
+        self.executor.restart()
+        return failed
+
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
+            self.running.append(seq)  # from here on a failure ends it like any running sequence
             self.executor.add_request(seq.request_id, seq.seed)
             prefix = seq.prompt_ids[:-1]  # the last prompt token is fed by the first step
             if self.vocab_mapping is not None:  # the draft reads the same text in its own tokens
@@ -139,7 +159,6 @@ class Scheduler:
             draft_prefix = seq.draft_ids[:-1]
             self.executor.prefill(seq.slot, prefix, draft_prefix if self.spec else None)
             seq.target_cached, seq.draft_cached = len(prefix), len(draft_prefix)
-            self.running.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:

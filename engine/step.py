@@ -33,8 +33,17 @@ class DraftBatch:
 
 @dataclass
 class DraftOutput:
+    slots: list[int]  # [B] as in the DraftBatch (the verifier matches rows by slot)
     tokens: list[list[int]]  # [B][k_b] proposals, in the target's vocabulary
     probs: list[Tensor] | None = None  # [B] of [k_b, V_target]: draft distributions (probabilistic drafting)
+
+    def for_slots(self, slots: list[int]) -> tuple[list[list[int]], list[Tensor | None]]:
+        """Drafts and probs in the order of `slots` (no drafts for a slot that was not drafted)."""
+        index = {slot: i for i, slot in enumerate(self.slots)}
+        rows = [index.get(slot) for slot in slots]
+        tokens = [self.tokens[i] if i is not None else [] for i in rows]
+        probs = [self.probs[i] if (i is not None and self.probs is not None) else None for i in rows]
+        return tokens, probs
 
 
 @dataclass

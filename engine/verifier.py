@@ -20,7 +20,7 @@ class Verifier:
     @torch.inference_mode()
     def verify(self, batch: VerifyBatch, drafts: DraftOutput | None) -> VerifyOutput:
         B = len(batch.slots)
-        row_drafts = [drafts.tokens[b] if drafts else [] for b in range(B)]
+        row_drafts, row_probs = drafts.for_slots(batch.slots) if drafts else ([[]] * B, [None] * B)
         feed = [batch.pending[b] + row_drafts[b] for b in range(B)]
         logits = self.worker.forward(batch.slots, batch.starts, feed)  # [B, T, V]
         out, accepted = [], []
@@ -40,8 +40,7 @@ class Verifier:
                 if self.method == "synthetic" and d:
                     tokens = verify_synthetic(p, d, self.synthetic_rates, gen)
                 else:
-                    q = drafts.probs[b] if drafts and drafts.probs is not None else None
-                    tokens = verify_standard(p, d, q, gen)
+                    tokens = verify_standard(p, d, row_probs[b], gen)
             out.append(tokens)
             accepted.append(len(tokens) - 1)
         return VerifyOutput(tokens=out, num_accepted=accepted)

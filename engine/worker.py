@@ -1,4 +1,4 @@
-"""ModelWorker: one model (one shard, later) on one device, with its KV cache and per-request RNGs.
+"""ModelWorker: one model shard on one device, with its KV cache and per-request RNGs.
 
 The worker knows nothing of requests' lifetimes beyond what each call says: the scheduler owns
 slots and lengths. Drafting and verification are its two jobs (proposer.py, verifier.py).
@@ -13,13 +13,15 @@ from torch import Tensor
 from engine.kv_cache import KVCache
 from engine.models.linear import pack_linears
 from engine.models.loading import ModelSource, build_model, load_state_dict
+from engine.models.tp import shard
 
 
 class ModelWorker:
     def __init__(self, source: ModelSource, num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: str = "cpu", rng_stream: str = "target", pack: bool = True):
+                 device: str = "cpu", rng_stream: str = "target", pack: bool = True,
+                 rank: int = 0, world: int = 1, group=None):
         config, state = load_state_dict(source)
-        self.model = build_model(config, state, dtype=dtype, device=device)
+        self.model = shard(build_model(config, state, dtype=dtype, device=device), rank, world, group)
         del state
         if pack:
             self.model.fuse_projections()
@@ -28,7 +30,8 @@ class ModelWorker:
         self.args = self.model.args
         self.hf_config = config
         self.device = device
-        self.cache = KVCache(self.args.num_layers, num_slots, max_len, self.args.num_kv_heads,
+        local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's share
+        self.cache = KVCache(self.args.num_layers, num_slots, max_len, local_kv_heads,
                              self.args.head_dim, dtype, device)
         self.rng_stream = rng_stream  # target and draft draw from independent streams
         self.generators: dict[str, torch.Generator] = {}

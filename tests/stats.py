@@ -27,7 +27,7 @@ def exact_first_two(llm, prompt_ids: list[int], temperature: float) -> tuple[np.
     from engine.kv_cache import KVCache
     from engine.sampling import probs_from_logits
 
-    model = llm.executor.target.model
+    model = llm.executor.target.worker.model
     a = model.args
     n, V = len(prompt_ids), a.vocab_size
     cache = KVCache(a.num_layers, V, n + 2, a.num_kv_heads, a.head_dim, torch.float32)

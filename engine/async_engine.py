@@ -1,0 +1,149 @@
+"""The engine as the serving layer sees it: add_request() yields deltas as tokens arrive; abort().
+
+One thread runs the step loop (model calls block); each request has an asyncio.Queue that the
+loop feeds through the event loop's thread-safe door. Streaming convention: every delta carries
+the tokens and text new since the previous one; the last has finish_reason set (and `error` when
+the request failed: a dead worker, an invalid request).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig, SamplingParams
+from engine.core import EngineCore
+from engine.metrics import SpecDecodeStats
+from engine.scheduler import Sequence
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    token_ids: list[int]  # new since the previous delta
+    text: str  # new since the previous delta
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)  # filled on the first delta
+    num_output_tokens: int = 0
+    stats: SpecDecodeStats | None = None  # on the last delta
+    error: str | None = None
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than max_queued_requests allows."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, use_ray: bool | None = None, max_queued_requests: int | None = None):
+        self.core = EngineCore(config, use_ray=use_ray)
+        self.tokenizer = self.core.tokenizer
+        self.max_queued_requests = max_queued_requests
+        self._lock = threading.Condition()
+        self._pending: list[tuple[Any, ...]] = []  # adds and aborts for the loop thread
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, dict]] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="tandem-step-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def num_waiting(self) -> int:
+        return len(self.core.scheduler.waiting) + sum(1 for p in self._pending if p[0] == "add")
+
+    async def add_request(self, prompt: Any, params: SamplingParams,
+                          request_id: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Validate (ValueError on bad input), queue, then yield deltas until the request ends."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        text, ids = self.core.prompt_ids(prompt)
+        sched = self.core.scheduler
+        if len(ids) >= sched.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens, but max_model_len is {sched.max_model_len}: "
+                             f"shorten the prompt so at least one token can be generated")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
+                raise QueueFullError(f"queue is full ({self.max_queued_requests} requests waiting); retry later")
+            self._streams[request_id] = (asyncio.get_running_loop(), queue, {"tokens": 0, "text": 0})
+            self._pending.append(("add", request_id, text, ids, params))
+            self._lock.notify()
+        finished = False
+        try:
+            while True:
+                delta = await queue.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect): free the slot
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.append(("abort", request_id))
+            self._lock.notify()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        self._thread.join(timeout=30)
+        self.core.shutdown()
+
+    # -- the loop thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sched = self.core.scheduler
+        while True:
+            with self._lock:
+                while not self._stopped and not self._pending and not sched.has_unfinished():
+                    self._lock.wait()
+                if self._stopped:
+                    return
+                pending, self._pending = self._pending, []
+            for item in pending:
+                if item[0] == "add":
+                    _, rid, text, ids, params = item
+                    try:
+                        sched.add(rid, text, ids, params)
+                    except ValueError as e:
+                        self._emit_error(rid, str(e))
+                else:
+                    seq = sched.abort(item[1])
+                    if seq is not None:
+                        self._emit(seq)
+                    self._streams.pop(item[1], None)
+            for seq in sched.step():
+                self._emit(seq)
+
+    def _emit_error(self, request_id: str, message: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream:
+            loop, queue, _ = stream
+            loop.call_soon_threadsafe(queue.put_nowait, RequestDelta(request_id, [], "", "error", error=message))
+
+    def _emit(self, seq: Sequence) -> None:
+        stream = self._streams.get(seq.request_id)
+        if stream is None:
+            return
+        loop, queue, sent = stream
+        text = seq.text
+        # hold back a trailing replacement char: the next token may complete a multi-byte character
+        visible = len(text) if seq.finished or not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
+        delta = RequestDelta(seq.request_id, seq.output_ids[sent["tokens"]:], text[sent["text"]:visible],
+                             seq.finish_reason, seq.stop_reason, num_output_tokens=len(seq.output_ids),
+                             error=seq.error)
+        if sent["tokens"] == 0:
+            delta.prompt_token_ids = list(seq.prompt_ids)
+        sent["tokens"], sent["text"] = len(seq.output_ids), max(sent["text"], visible)
+        if seq.finished:
+            delta.stats = seq.stats
+            self._streams.pop(seq.request_id, None)
+        loop.call_soon_threadsafe(queue.put_nowait, delta)

@@ -1,0 +1,89 @@
+"""EngineCore: the models, tokenizer, executor and scheduler of one engine, built from one EngineConfig.
+
+Shared by the offline LLM (engine/llm.py) and the async engine the serving layer uses
+(engine/async_engine.py).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.config import EngineConfig, check_model_pair
+from engine.executor import LocalExecutor, RayExecutor
+from engine.models.loading import load_config, load_tokenizer, resolve_model
+from engine.scheduler import Scheduler
+from engine.vocab_mapping import VocabMapping
+
+log = logging.getLogger(__name__)
+
+# Without an explicit max_model_len the KV cache is sized for this many tokens per sequence
+# (a model's own limit, 8k-32k here, would reserve gigabytes per slot on a CPU).
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def eos_token_ids(tokenizer, hf_config) -> set[int]:
+    ids = set()
+    for value in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(value)
+    return ids
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, use_ray: bool | None = None):
+        self.config = config
+        spec = config.speculative_config
+        target_source = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(target_source, config.tokenizer)
+        hf_config = load_config(target_source)
+        self.vocab_size = hf_config.vocab_size
+        limit = hf_config.max_position_embeddings
+        vocab_mapping = None
+        if spec is not None:
+            draft_source = resolve_model(spec.model)
+            draft_config = load_config(draft_source)
+            # checked before any weights load, so a bad pair fails fast
+            check_model_pair(spec, hf_config.vocab_size, draft_config.vocab_size,
+                             limit, draft_config.max_position_embeddings)
+            limit = min(limit, draft_config.max_position_embeddings)
+            if spec.use_heterogeneous_vocab:
+                vocab_mapping = VocabMapping(self.tokenizer, load_tokenizer(draft_source),
+                                             hf_config.vocab_size, draft_config.vocab_size)
+        max_len = config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        if spec is not None and spec.max_model_len is not None:
+            max_len = min(max_len, spec.max_model_len)
+        if max_len > limit:
+            raise ValueError(f"max_model_len ({max_len}) is above the models' limit ({limit})")
+        self.max_model_len = max_len
+        k = spec.num_speculative_tokens if spec else 0
+        if use_ray is None:
+            use_ray = (config.distributed_executor_backend == "ray" or config.tensor_parallel_size > 1
+                       or config.draft_tensor_parallel_size > 1)
+        executor_cls = RayExecutor if use_ray else LocalExecutor
+        # room past max_model_len for the padded positions of a K+1-token verify
+        self.executor = executor_cls(config, cache_len=max_len + k + 1, target_vocab=self.vocab_size,
+                                     vocab_mapping=vocab_mapping)
+        self.scheduler = Scheduler(self.executor, self.tokenizer, eos_token_ids(self.tokenizer, hf_config),
+                                   config, max_len, vocab_mapping)
+
+    def prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) from a string or {'prompt_token_ids': [...]} / {'prompt': str}."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self.prompt_ids(prompt["prompt"])
+        else:
+            raise ValueError("a prompt is a string or {'prompt_token_ids': [...]}")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+        return None, ids
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
