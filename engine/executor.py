@@ -76,6 +76,11 @@ class GroupRank:
         out = self.verifier.verify(batch, drafts)
         return out if self.rank == 0 else None
 
+    def logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):
+        """Raw float32 logits of a ragged forward (diagnostics and parity tests)."""
+        out = self.worker.forward(slots, starts, tokens)
+        return out if self.rank == 0 else None
+
 
 class LocalExecutor:
     def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
@@ -105,6 +110,9 @@ class LocalExecutor:
     def step(self, verify: VerifyBatch, draft: DraftBatch | None) -> VerifyOutput:
         drafts = self.draft.propose(draft) if draft is not None else None
         return self.target.verify(verify, drafts)
+
+    def target_logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):
+        return self.target.logits(slots, starts, tokens)
 
     def restart(self) -> None:
         pass  # nothing in this process can die without taking the process with it
@@ -207,6 +215,9 @@ class RayExecutor:
         drafts = draft_refs[0] if draft_refs else None  # an ObjectRef: Ray hands it to the target ranks
         verify_refs = [r.verify.remote(verify, drafts) for r in self.target]
         return self._get(verify_refs + draft_refs)[0]
+
+    def target_logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):
+        return self._get([r.logits.remote(slots, starts, tokens) for r in self.target])[0]
 
     def restart(self) -> None:
         """Replace both groups with fresh actors (after a failure)."""

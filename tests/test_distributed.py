@@ -1,0 +1,150 @@
+"""Ray actor groups with tensor parallelism, continuous batching, abort and worker failure,
+on a real local Ray cluster started here."""
+import asyncio
+import time
+
+import pytest
+import ray
+import torch
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+
+TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
+SPEC = {"model": DRAFT, "num_speculative_tokens": 3}
+PROMPTS = ["hello world", "the cat sat on the mat", "a", "numbers 1 2 3", "zebra", "quiet night",
+           "why is the sky blue?", "ok"]
+MAX_TOKENS = [40, 12, 33, 25, 8, 40, 19, 30]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Each prompt alone, in-process (LocalExecutor), speculation on."""
+    llm = LLM(model=TARGET, speculative_config=SPEC)
+    return [llm.generate(p, greedy(n))[0].outputs[0].token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
+
+
+async def collect(engine: AsyncEngine, prompt, params, request_id=None):
+    tokens, text, last = [], "", None
+    async for delta in engine.add_request(prompt, params, request_id):
+        tokens += delta.token_ids
+        text += delta.text
+        last = delta
+    return tokens, text, last
+
+
+def run_all(engine, prompts, params):
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, q) for p, q in zip(prompts, params)))
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def ray_engine():
+    engine = AsyncEngine(EngineConfig(model=TARGET, speculative_config=SPEC, max_num_seqs=4), use_ray=True)
+    yield engine
+    engine.shutdown()
+
+
+def test_eight_concurrent_requests_match_alone(ray_engine, reference):
+    # 8 requests, 4 slots: requests join and leave between steps while others wait
+    results = run_all(ray_engine, PROMPTS, [greedy(n) for n in MAX_TOKENS])
+    assert [r[0] for r in results] == reference
+    for (tokens, text, last), n in zip(results, MAX_TOKENS):
+        assert last.finish_reason == "length" and last.num_output_tokens == n
+        assert last.stats.num_drafts > 0
+        assert text == ray_engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_abort_frees_the_slot(reference):
+    engine = AsyncEngine(EngineConfig(model=TARGET, speculative_config=SPEC, max_num_seqs=1), use_ray=True)
+    try:
+        async def main():
+            stream = engine.add_request("hello world", greedy(200))
+            got = [await stream.__anext__() for _ in range(2)]
+            await stream.aclose()  # the client went away mid-generation
+            assert got[0].finish_reason is None
+            # the only slot must be free again: this completes (and matches its reference)
+            return await asyncio.wait_for(collect(engine, PROMPTS[1], greedy(MAX_TOKENS[1])), timeout=120)
+        tokens, _, last = asyncio.run(main())
+        assert tokens == reference[1] and last.finish_reason == "length"
+        assert engine.core.scheduler.free_slots == [0]
+    finally:
+        engine.shutdown()
+
+
+def tp_engine(tp: int, draft_tp: int | None, spec: bool = True) -> AsyncEngine:
+    spec_config = {**SPEC, "draft_tensor_parallel_size": draft_tp} if spec else None
+    return AsyncEngine(EngineConfig(model=TARGET, tensor_parallel_size=tp, speculative_config=spec_config,
+                                    max_num_seqs=4), use_ray=True)
+
+
+def logits_of(engine: AsyncEngine):
+    """Logits of a ragged batch of 2 rows straight from the target group (rank 0)."""
+    ex = engine.core.executor
+    tok = engine.tokenizer
+    a, b = tok.encode("hello world"), tok.encode("the cat sat")
+    ex.prefill(0, a[:-1], None)
+    ex.prefill(1, b[:-1], None)
+    return ex.target_logits([0, 1], [len(a) - 1, len(b) - 1], [a[-1:] + [5, 6], b[-1:]])
+
+
+@pytest.mark.parametrize("draft_tp", [1, 2])
+def test_tp2_equals_tp1(ray_engine, reference, draft_tp):
+    engine = tp_engine(2, draft_tp)
+    try:
+        assert len(engine.core.executor.target) == 2 and len(engine.core.executor.draft) == draft_tp
+        results = run_all(engine, PROMPTS[:4], [greedy(n) for n in MAX_TOKENS[:4]])  # batch of 4
+        assert [r[0] for r in results] == reference[:4]
+        tp2 = logits_of(engine)
+    finally:
+        engine.shutdown()
+    tp1 = logits_of(ray_engine)
+    rel = ((tp2[0, :3] - tp1[0, :3]).abs().max() / tp1[0, :3].abs().max()).item()
+    assert rel <= 1e-4
+    torch.testing.assert_close(tp2[1, :1], tp1[1, :1], rtol=1e-4, atol=1e-4 * tp1.abs().max().item())
+
+
+def test_tp2_target_alone():
+    plain = LLM(model=TARGET)
+    ref = [plain.generate(p, greedy(n))[0].outputs[0].token_ids for p, n in zip(PROMPTS[:3], MAX_TOKENS[:3])]
+    engine = tp_engine(2, None, spec=False)
+    try:
+        results = run_all(engine, PROMPTS[:3], [greedy(n) for n in MAX_TOKENS[:3]])
+    finally:
+        engine.shutdown()
+    assert [r[0] for r in results] == ref
+
+
+def test_killed_worker_fails_request_then_recovers(reference):
+    engine = AsyncEngine(EngineConfig(model=TARGET, speculative_config=SPEC, max_num_seqs=2), use_ray=True)
+    try:
+        async def main():
+            stream = engine.add_request("hello world", greedy(400))
+            first = await stream.__anext__()
+            assert first.finish_reason is None
+            ray.kill(engine.core.executor.target[0], no_restart=True)
+            start = time.monotonic()
+            last = first
+            async for delta in stream:
+                last = delta
+            assert time.monotonic() - start < 60
+            assert last.finish_reason == "error" and "worker" in last.error
+            # the groups were rebuilt: the next request succeeds
+            return await asyncio.wait_for(collect(engine, PROMPTS[0], greedy(MAX_TOKENS[0])), timeout=300)
+        tokens, _, last = asyncio.run(main())
+        assert tokens == reference[0] and last.finish_reason == "length"
+    finally:
+        engine.shutdown()
