@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,13 +20,15 @@ from engine.core import EngineCore
 from engine.metrics import SpecDecodeStats
 from engine.scheduler import Sequence
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class RequestDelta:
     request_id: str
     token_ids: list[int]  # new since the previous delta
     text: str  # new since the previous delta
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # as Sequence's, or "rejected": the request was invalid
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)  # filled on the first delta
     num_output_tokens: int = 0
@@ -53,6 +56,12 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def num_running(self) -> int:
+        return len(self.core.scheduler.running)
 
     def num_waiting(self) -> int:
         return len(self.core.scheduler.waiting) + sum(1 for p in self._pending if p[0] == "add")
@@ -120,14 +129,20 @@ class AsyncEngine:
                     if seq is not None:
                         self._emit(seq)
                     self._streams.pop(item[1], None)
-            for seq in sched.step():
+            try:
+                seqs = sched.step()
+            except Exception as e:  # a bug must fail requests, not kill the loop that serves them
+                log.exception("engine step failed")
+                seqs = sched.fail_running(f"internal error in the engine step: {type(e).__name__}")
+            for seq in seqs:
                 self._emit(seq)
 
     def _emit_error(self, request_id: str, message: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream:
             loop, queue, _ = stream
-            loop.call_soon_threadsafe(queue.put_nowait, RequestDelta(request_id, [], "", "error", error=message))
+            loop.call_soon_threadsafe(queue.put_nowait, RequestDelta(request_id, [], "", "rejected",
+                                                                 error=message))
 
     def _emit(self, seq: Sequence) -> None:
         stream = self._streams.get(seq.request_id)

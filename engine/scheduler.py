@@ -94,7 +94,7 @@ class Scheduler:
                 return []
             return self._round()
         except ExecutorError as e:
-            return self._fail_running(str(e))
+            return self.fail_running(str(e))
 
     def _round(self) -> list[Sequence]:
         rows = list(self.running)
@@ -132,9 +132,7 @@ class Scheduler:
                 self._release(seq)
         return rows
 
-    # -- internals -------------------------------------------------------------------------
-
-    def _fail_running(self, message: str) -> list[Sequence]:
+    def fail_running(self, message: str) -> list[Sequence]:
         """A model group died: end every running sequence with the error, then rebuild the groups.
         Waiting requests keep their place and run on the new groups."""
         failed = list(self.running)
@@ -144,6 +142,8 @@ class Scheduler:
         self.running.clear()
         self.executor.restart()
         return failed
+
+    # -- internals -------------------------------------------------------------------------
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:

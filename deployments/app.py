@@ -1,0 +1,54 @@
+"""build_app(args): the Ray Serve application, from serve_config.yaml's `args` or the CLI.
+
+Arguments are validated once, here, into ServeArgs (and its EngineConfig); nothing downstream
+re-reads untyped dicts.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.config import EngineConfig, SpeculativeConfig
+
+
+class ServeArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 8
+    seed: int = 0
+    device: str = "auto"
+    speculative_config: SpeculativeConfig | None = None
+    api_key: str | None = None
+    max_queued_requests: int = Field(default=64, ge=0)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)  # accepted for vLLM parity
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                            max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
+                            max_num_seqs=self.max_num_seqs, seed=self.seed, device=self.device,
+                            distributed_executor_backend="ray", speculative_config=self.speculative_config)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def parse_args(args: dict[str, Any]) -> ServeArgs:
+    if isinstance(args.get("speculative_config"), dict):
+        args = {**args, "speculative_config": SpeculativeConfig.model_validate(args["speculative_config"])}
+    serve_args = ServeArgs.model_validate(args)
+    serve_args.engine_config()  # the engine's own rules, checked before any replica starts
+    return serve_args
+
+
+def build_app(args: dict[str, Any]):
+    from deployments.coordinator import Coordinator
+
+    return Coordinator.bind(parse_args(dict(args)))

@@ -1,0 +1,45 @@
+"""The coordinator deployment: owns one engine (model groups as Ray actors) and serves it over HTTP.
+
+The step loop runs in the engine's own thread; the replica's event loop only parses requests
+and streams deltas. Nothing here computes a token.
+"""
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+
+from deployments.app import ServeArgs
+from deployments.openai_api import create_app
+from engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment(
+    # the model groups reserve their own CPUs/GPUs in a placement group; the coordinator needs none
+    ray_actor_options={"num_cpus": 0},
+    # admission is the engine's job (max_num_seqs, max_queued_requests -> 429), not Serve's queue
+    max_ongoing_requests=1024,
+    health_check_period_s=10,
+)
+@serve.ingress()
+class Coordinator:
+    def __init__(self, args: ServeArgs):
+        self.args = args
+        self.engine = AsyncEngine(args.engine_config(), use_ray=True, max_queued_requests=args.max_queued_requests)
+        log.info("Tandem serving %s as %r (max_model_len %d)", args.model, args.model_name,
+                 self.engine.max_model_len)
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.engine, self.args)
+
+    def check_health(self) -> None:
+        if not self.engine.alive():
+            raise RuntimeError("engine step loop is not running")
+
+    def __del__(self):
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
