@@ -31,6 +31,8 @@ class EngineCollector:
         for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
             per_pos.add_metric(value + [str(pos)], n)
         yield per_pos
+        yield counter("generation_tokens", "Tokens generated (verified), across requests",
+                      self.engine.core.scheduler.num_generated_tokens)
         running = GaugeMetricFamily("tandem:num_requests_running", "Requests in the batch", labels=labels)
         running.add_metric(value, self.engine.num_running())
         yield running

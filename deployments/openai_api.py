@@ -185,6 +185,18 @@ def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
             raise APIError(500, f"generation failed: {first.error}", "internal_error")
         return stream, first
 
+    async def start_all(jobs: list[tuple[Any, SamplingParams]]) -> list[tuple[AsyncIterator[RequestDelta], RequestDelta]]:
+        """Start every request of one API call, or none: a rejection aborts those already queued."""
+        started = []
+        try:
+            for prompt, params in jobs:
+                started.append(await start(prompt, params))
+        except BaseException:
+            for stream, _ in started:
+                await stream.aclose()
+            raise
+        return started
+
     async def run_to_end(stream, first: RequestDelta) -> tuple[list[int], str, RequestDelta]:
         tokens, text, last = list(first.token_ids), first.text, first
         if first.finish_reason is None:
@@ -217,7 +229,7 @@ def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
         for i, prompt in enumerate(prompts):
             for j in range(req.n):
                 jobs.append((i * req.n + j, prompt, req.sampling_params(16, index=j)))
-        started = [await start(prompt, params) for _, prompt, params in jobs]
+        started = await start_all([(prompt, params) for _, prompt, params in jobs])
         echo_text = [(prompt if isinstance(prompt, str) else tokenizer.decode(prompt["prompt_token_ids"]))
                      if req.echo else "" for _, prompt, _ in jobs]
 
@@ -256,7 +268,7 @@ def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         jobs = [req.sampling_params(None, end_of_turn_ids, index=j) for j in range(req.n)]
-        started = [await start({"prompt_token_ids": ids}, params) for params in jobs]
+        started = await start_all([({"prompt_token_ids": ids}, params) for params in jobs])
 
         def chunk(index: int, text: str, finish: str | None) -> dict:
             delta = {"content": text} if text or finish is None else {}

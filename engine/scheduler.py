@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SpecDecodeStats()
+        self.num_generated_tokens = 0
         self._seeds = itertools.count(config.seed * 1_000_003)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -189,6 +190,7 @@ class Scheduler:
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
         p = seq.params
         start = len(seq.output_ids)
+        self.num_generated_tokens += len(tokens)
         for token in tokens:
             seq.output_ids.append(token)
             if not p.ignore_eos and token in self.eos_ids:

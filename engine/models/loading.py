@@ -128,6 +128,21 @@ def load_config(source: ModelSource):
     return AutoConfig.from_pretrained(directory)
 
 
+# Gemma 3's turn format, for GGUF copies that carry no chat template (the embedded 270M one).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') "
+    "+ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 def load_tokenizer(source: ModelSource, name_override: str | None = None):
     from transformers import AutoTokenizer
 
@@ -136,7 +151,10 @@ def load_tokenizer(source: ModelSource, name_override: str | None = None):
     if source.kind == "random":
         return random_checkpoint(source.path, source.seed, config_only=True)[1]
     directory = _dequantized_dir(Path(source.path)) if source.kind == "gguf" else Path(source.path)
-    return AutoTokenizer.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if not getattr(tokenizer, "chat_template", None) and "<start_of_turn>" in tokenizer.get_vocab():
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    return tokenizer
 
 
 def load_state_dict(source: ModelSource) -> tuple[object, dict[str, torch.Tensor]]:

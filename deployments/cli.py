@@ -1,0 +1,80 @@
+"""`tandem serve MODEL --speculative-config JSON ...`: vLLM's `serve` line with only the program name changed."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+REMOVED_FLAGS = {
+    "--speculative-model": "model",
+    "--num-speculative-tokens": "num_speculative_tokens",
+}
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem serve", description="Serve MODEL with an OpenAI-compatible API.")
+    p.add_argument("model", help="target model: HF id, local HF directory, .gguf file, or random:<preset>")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON object, e.g. \'{"model": "HuggingFaceTB/SmolLM2-135M-Instruct", '
+                        '"num_speculative_tokens": 3, "use_heterogeneous_vocab": true}\'')
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-queued-requests", type=int, default=64)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="accepted for vLLM compatibility (KV caches are sized by max-num-seqs x max-model-len)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
+    return p
+
+
+def refuse_removed_flags(argv: list[str]) -> None:
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in REMOVED_FLAGS:
+            sys.exit(f"tandem serve: error: {flag} is not supported; put every speculative setting in "
+                     f"--speculative-config, e.g. --speculative-config '{{\"model\": \"...\", "
+                     f"\"num_speculative_tokens\": 3}}' (this flag's key: \"{REMOVED_FLAGS[flag]}\")")
+
+
+def serve_args_from_cli(argv: list[str]) -> dict:
+    refuse_removed_flags(argv)
+    ns = serve_parser().parse_args(argv)
+    args = {k: v for k, v in vars(ns).items() if k not in ("host", "port") and v is not None}
+    return {"args": args, "host": ns.host, "port": ns.port}
+
+
+def serve_main(argv: list[str]) -> None:
+    parsed = serve_args_from_cli(argv)
+    from deployments.app import build_app
+
+    try:
+        app = build_app(parsed["args"])  # validates everything before Ray starts
+    except ValueError as e:
+        sys.exit(f"tandem serve: error: {e}")
+    import ray
+    from ray import serve
+
+    ray.init(ignore_reinit_error=True)
+    serve.start(http_options={"host": parsed["host"], "port": parsed["port"]})
+    serve.run(app, name="tandem", route_prefix="/", blocking=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: tandem serve MODEL [--speculative-config JSON] [options]\n"
+              "       tandem serve --help   for the options")
+        return
+    if argv[0] != "serve":
+        sys.exit(f"tandem: unknown command {argv[0]!r}; commands: serve")
+    serve_main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Ray Serve apps built with build_app() on a local cluster: speculation on vs off, API keys, queue
+limits, client disconnects. Tiny random models keep each app cheap."""
+import asyncio
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import build_app
+
+TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
+SPEC = {"model": DRAFT, "num_speculative_tokens": 3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    apps = {
+        "plain": {"model": TARGET},
+        "spec": {"model": TARGET, "speculative_config": SPEC},
+        "keyed": {"model": TARGET, "api_key": "s3cret", "served_model_name": "tiny"},
+        "small": {"model": TARGET, "speculative_config": SPEC, "max_num_seqs": 1, "max_queued_requests": 1},
+    }
+    for name, args in apps.items():
+        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def client(base, app, key="EMPTY"):
+    return openai.OpenAI(api_key=key, base_url=f"{base}/{app}/v1", max_retries=0)
+
+
+def test_speculation_on_equals_off(base):
+    prompts = ["hello world", "the cat sat", "zebra"]
+    for p in prompts:
+        kw = dict(prompt=p, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+        off = client(base, "plain").completions.create(model=TARGET, **kw)
+        on = client(base, "spec").completions.create(model=TARGET, **kw)
+        assert on.choices[0].text == off.choices[0].text and on.usage.completion_tokens == 40
+
+
+def test_prompt_forms_n_echo_and_token_ids(base):
+    c = client(base, "spec")
+    multi = c.completions.create(model=TARGET, prompt=["ab", "cd"], max_tokens=5, temperature=0, n=2)
+    assert sorted(ch.index for ch in multi.choices) == [0, 1, 2, 3]
+    by_index = {ch.index: ch.text for ch in multi.choices}
+    assert by_index[0] == by_index[1] and by_index[2] == by_index[3]  # greedy: n copies agree
+    echo = c.completions.create(model=TARGET, prompt="ab", max_tokens=5, temperature=0, echo=True)
+    assert echo.choices[0].text == "ab" + by_index[0]
+    ids = httpx.post(f"{base}/spec/v1/completions",
+                     json={"model": TARGET, "prompt": [5, 6, 7], "max_tokens": 3}).json()
+    assert ids["usage"]["prompt_tokens"] == 3
+    seeded = [c.completions.create(model=TARGET, prompt="ab", max_tokens=12, seed=7).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_chat_on_tiny_model(base):
+    chat = client(base, "spec").chat.completions.create(
+        model=TARGET, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+
+
+def test_api_key(base):
+    with pytest.raises(openai.AuthenticationError):
+        client(base, "keyed").models.list()
+    r = httpx.get(f"{base}/keyed/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    models = client(base, "keyed", key="s3cret").models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert client(base, "keyed", key="s3cret").completions.create(model="tiny", prompt="a", max_tokens=2)
+    assert client(base, "plain").models.list().data  # open when no key is configured
+    assert httpx.get(f"{base}/keyed/health").status_code == 200  # probes need no key
+
+
+def test_queue_full_is_429_then_recovers(base):
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"model": TARGET, "prompt": "hello", "max_tokens": 150, "ignore_eos": True}
+            results = await asyncio.gather(*(http.post(f"{base}/small/v1/completions", json=body)
+                                             for _ in range(6)))
+            return [r.status_code for r in results], [r.json() for r in results]
+    codes, bodies = asyncio.run(main())
+    assert 429 in codes and 200 in codes  # one runs, one waits, the rest are turned away
+    rejected = bodies[codes.index(429)]["error"]
+    assert rejected["type"] == "rate_limit_error" and "queue is full" in rejected["message"]
+    assert client(base, "small").completions.create(model=TARGET, prompt="ok", max_tokens=3)
+
+
+def metric(base: str, app: str, name: str) -> float:
+    for line in httpx.get(f"{base}/{app}/metrics").text.splitlines():
+        if line.startswith(f"tandem:{name}"):
+            return float(line.split()[-1])
+    raise AssertionError(f"metric {name} not exported")
+
+
+def test_disconnect_frees_the_slot(base):
+    # the only slot of "small" is taken by a long stream; the client drops it after a few chunks
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{base}/small/v1/completions",
+                         json={"model": TARGET, "prompt": "hello", "max_tokens": 2000, "stream": True,
+                               "ignore_eos": True}) as r:
+            lines = [line for line, _ in zip(r.iter_lines(), range(4)) if line]
+            assert lines and lines[0].startswith("data: ")
+    time.sleep(1.0)
+    generated = metric(base, "small", "generation_tokens_total")
+    time.sleep(1.0)
+    assert metric(base, "small", "generation_tokens_total") == generated  # nothing runs on
+    assert metric(base, "small", "num_requests_running") == 0
+    # the slot is free: the next max_num_seqs (=1) request runs at once
+    out = client(base, "small").completions.create(model=TARGET, prompt="abc", max_tokens=5, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5

@@ -1,0 +1,130 @@
+"""The shipped serve_config.yaml, started as a user starts it (`serve run serve_config.yaml`),
+driven with the official openai client and raw HTTP."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import GEMMA3
+from engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = "http://127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def server():
+    serve_bin = Path(sys.executable).parent / "serve"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local cluster
+    proc = subprocess.Popen([str(serve_bin), "run", "serve_config.yaml"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "serve run exited early"
+            try:
+                if httpx.get(f"{BASE}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail("serve run serve_config.yaml did not become healthy in 420 s")
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(api_key="EMPTY", base_url=f"{BASE}/v1")
+
+
+def test_seed_client_snippet(client):
+    # seed §3, unchanged but for base_url
+    models = client.models.list()
+    model = models.data[0].id
+    assert model == GEMMA3
+    completion = client.completions.create(model=model, prompt="The future of AI is", echo=False, n=1,
+                                           stream=False)
+    assert completion.choices[0].text
+    assert 1 <= completion.usage.completion_tokens <= 16  # OpenAI's default max_tokens
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+
+
+def test_speculative_server_equals_plain_offline(client):
+    """Greedy text through the spec-decoding server equals plain decoding of the target, in process."""
+    prompts = ["The future of AI is", "def add(a, b):"]
+    served = [client.completions.create(model=GEMMA3, prompt=p, max_tokens=32, temperature=0).choices[0].text
+              for p in prompts]
+    plain = LLM(model=GEMMA3, max_model_len=512)
+    offline = [o.outputs[0].text for o in plain.generate(prompts, SamplingParams(temperature=0, max_tokens=32))]
+    assert served == offline
+
+
+def test_streaming_equals_non_streaming(client):
+    full = client.completions.create(model=GEMMA3, prompt="Once upon a time", max_tokens=40, temperature=0)
+    stream = client.completions.create(model=GEMMA3, prompt="Once upon a time", max_tokens=40, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_chat_completion_and_stream(client):
+    messages = [{"role": "user", "content": "Name a primary color."}]
+    chat = client.chat.completions.create(model=GEMMA3, messages=messages, max_tokens=24, temperature=0)
+    answer = chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant" and answer
+    assert "<end_of_turn>" not in answer
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=GEMMA3, messages=messages, max_tokens=24, temperature=0, stream=True) if c.choices)
+    assert streamed == answer
+
+
+def expect_error(response: httpx.Response, status: int, type_: str | None = None):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    assert "Traceback" not in response.text
+    if type_:
+        assert body["error"]["type"] == type_
+
+
+def test_bad_inputs_get_openai_errors_and_server_keeps_serving(client):
+    url = f"{BASE}/v1/completions"
+    ok = {"model": GEMMA3, "prompt": "Hello", "max_tokens": 4}
+    expect_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    expect_error(httpx.post(url, json={**ok, "temperature": -1}), 400, "invalid_request_error")
+    expect_error(httpx.post(url, json={**ok, "top_p": 0}), 400)
+    expect_error(httpx.post(url, json={**ok, "max_tokens": 0}), 400)
+    expect_error(httpx.post(url, json={**ok, "prompt": 42}), 400)
+    expect_error(httpx.post(url, json={**ok, "model": "gpt-4"}), 404)
+    expect_error(httpx.post(url, json={**ok, "prompt": "word " * 3000}), 400)
+    expect_error(httpx.post(f"{BASE}/v1/chat/completions", json={"model": GEMMA3, "messages": []}), 400)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    assert client.completions.create(model=GEMMA3, prompt="Hello", max_tokens=4).choices[0].text
+
+
+def test_health_and_metrics(client):
+    assert httpx.get(f"{BASE}/health").json() == {"status": "ok"}
+    client.completions.create(model=GEMMA3, prompt="Count: one, two,", max_tokens=16, temperature=0)
+    text = httpx.get(f"{BASE}/metrics").text
+    assert "tandem:spec_decode_num_drafts_total" in text
+    drafts = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("tandem:spec_decode_num_drafts_total")]
+    assert drafts and drafts[0] > 0
