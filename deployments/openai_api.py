@@ -124,7 +124,10 @@ def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if args.api_key and request.url.path.startswith("/v1"):
+        path, root = request.scope["path"], request.scope.get("root_path", "")
+        if path.startswith(root):  # under a Serve route_prefix, the path includes it
+            path = path[len(root):]
+        if args.api_key and path.startswith("/v1"):
             if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
                 return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                       "authentication_error", code="invalid_api_key")
