@@ -131,6 +131,13 @@ def _free_address() -> str:
     return f"{ray.util.get_node_ip_address()}:{port}"
 
 
+# The draft and target groups take turns on the same cores. libgomp's threads spin for a while
+# after each parallel region (300k spins by default), stealing the cores from the group whose turn
+# it is; a shorter spin keeps the Ray path within ~5% of in-process (benchmarks/batch_bench.py:
+# default 1.18x, PASSIVE 1.4x, 30k spins 1.05x per step here). TANDEM_GOMP_SPINCOUNT overrides.
+ACTOR_ENV = {"env_vars": {"GOMP_SPINCOUNT": os.environ.get("TANDEM_GOMP_SPINCOUNT", "30000")}}
+
+
 class RayExecutor:
     """Target and draft groups as Ray actors, one per tensor-parallel rank."""
 
@@ -179,7 +186,7 @@ class RayExecutor:
         threads = None if cuda else max(1, (os.cpu_count() or 1) // world)
         actor = ray.remote(GroupRank)
         resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 1}
-        return [actor.options(**resources, **placed(first_bundle + rank)).remote(
+        return [actor.options(**resources, **placed(first_bundle + rank), runtime_env=ACTOR_ENV).remote(
                     role, self.config, self.cache_len, self.target_vocab,
                     self.vocab_mapping if role == "draft" else None, rank, world, address, threads)
                 for rank in range(world)]
