@@ -1,0 +1,195 @@
+"""Serving benchmark, like `vllm bench serve`: N streamed requests at concurrency C over HTTP,
+then the same prompts through the in-process engine, in one run.
+
+    .venv/bin/python benchmarks/serve_bench.py [--num-requests 8] [--concurrency 1 4] [--max-tokens 64]
+    .venv/bin/python benchmarks/serve_bench.py --url http://127.0.0.1:8000   # an already running server
+
+Without --url it starts the application of serve_config.yaml in this process's Ray cluster on a
+free port. Reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request and
+output-token throughput, and acceptance from /metrics. Writes benchmarks/results/serve_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["The future of AI is", "Write a short poem about the sea.", "def fibonacci(n):",
+           "The three primary colors are", "Explain photosynthesis in one paragraph.", "Dear customer,",
+           "List five fruits:", "Once upon a time in a small village,"]
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(round(q * (len(s) - 1))))]  # noqa: E731
+    return {"mean": statistics.fmean(s), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in records)
+    return {
+        "ttft_ms": percentiles([r["ttft"] * 1e3 for r in records]),
+        "tpot_ms": percentiles([(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) * 1e3 for r in records if r["tokens"] > 1]),
+        "itl_ms": percentiles([x * 1e3 for r in records for x in r["itl"]]),
+        "e2e_ms": percentiles([r["e2e"] * 1e3 for r in records]),
+        "request_throughput": len(records) / wall,
+        "output_throughput": tokens / wall,
+    }
+
+
+async def http_run(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    records = []
+
+    async def one(client: httpx.AsyncClient, prompt: str):
+        async with sem:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            start = time.perf_counter()
+            first, last, itl, tokens = None, None, [], 0
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    now = time.perf_counter()
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if not chunk.get("choices") or not chunk["choices"][0]["text"]:
+                        continue
+                    if first is None:
+                        first = now
+                    else:
+                        itl.append(now - last)
+                    last = now
+            records.append({"ttft": first - start, "e2e": time.perf_counter() - start, "itl": itl,
+                            "tokens": tokens})
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(client, p) for p in prompts))
+        return summarize(records, time.perf_counter() - start)
+
+
+async def engine_run(engine, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    from engine import SamplingParams
+
+    sem = asyncio.Semaphore(concurrency)
+    records = []
+
+    async def one(prompt: str):
+        async with sem:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            start = time.perf_counter()
+            first, last, itl, tokens = None, None, [], 0
+            async for delta in engine.add_request(prompt, params):
+                now = time.perf_counter()
+                tokens += len(delta.token_ids)
+                if not delta.text:
+                    continue
+                if first is None:
+                    first = now
+                else:
+                    itl.append(now - last)
+                last = now
+            records.append({"ttft": first - start, "e2e": time.perf_counter() - start, "itl": itl,
+                            "tokens": tokens})
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in prompts))
+    return summarize(records, time.perf_counter() - start)
+
+
+def acceptance(url: str) -> dict:
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                     "spec_decode_num_accepted_tokens_total"):
+            if line.startswith(f"tandem:{name}"):
+                values[name] = float(line.split()[-1])
+    drafts = values.get("spec_decode_num_drafts_total", 0)
+    draft_tokens = values.get("spec_decode_num_draft_tokens_total", 0)
+    accepted = values.get("spec_decode_num_accepted_tokens_total", 0)
+    return {"acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default=None)
+    ap.add_argument("--num-requests", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    app_args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    model = app_args["model"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_requests)]
+
+    import ray
+    from ray import serve
+
+    url = args.url
+    if url is None:
+        ray.init(include_dashboard=False, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        from deployments.app import build_app
+
+        serve.run(build_app(app_args), name="tandem", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+    asyncio.run(http_run(url, model, prompts[:1], 1, 8))  # warm-up
+    results = {"http": {}, "engine": {}}
+    for c in args.concurrency:
+        results["http"][c] = asyncio.run(http_run(url, model, prompts, c, args.max_tokens))
+    results["acceptance"] = acceptance(url)
+    if args.url is None:
+        serve.shutdown()
+
+        from deployments.app import parse_args
+        from engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine(parse_args(app_args).engine_config(), use_ray=True)
+        asyncio.run(engine_run(engine, prompts[:1], 1, 8))
+        for c in args.concurrency:
+            results["engine"][c] = asyncio.run(engine_run(engine, prompts, c, args.max_tokens))
+        engine.shutdown()
+
+    print(f"{args.num_requests} requests x {args.max_tokens} tokens, greedy; model {model}; "
+          f"acceptance rate {results['acceptance']['acceptance_rate']:.2f}, "
+          f"mean acceptance length {results['acceptance']['mean_acceptance_length']:.2f}")
+    print(f"{'path':<8}{'C':>3}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}"
+          f"{'req/s':>7}{'tok/s':>7}")
+    for path, by_c in results.items():
+        if path == "acceptance":
+            continue
+        for c, r in by_c.items():
+            print(f"{path:<8}{c:>3}{r['ttft_ms']['p50']:>10.1f}{r['ttft_ms']['p99']:>10.1f}{r['tpot_ms']['p50']:>10.1f}"
+                  f"{r['itl_ms'].get('p50', 0):>9.1f}{r['e2e_ms']['p50']:>10.1f}{r['request_throughput']:>7.2f}"
+                  f"{r['output_throughput']:>7.1f}")
+    if results["engine"]:
+        h, e = results["http"][args.concurrency[0]], results["engine"][args.concurrency[0]]
+        print(f"at concurrency {args.concurrency[0]}: TPOT http/in-process {h['tpot_ms']['p50'] / e['tpot_ms']['p50']:.2f}x, "
+              f"TTFT overhead p50 {h['ttft_ms']['p50'] - e['ttft_ms']['p50']:+.1f} ms")
+    out = ROOT / "benchmarks" / "results" / "serve_bench.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
