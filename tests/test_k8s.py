@@ -1,0 +1,113 @@
+"""The RayService manifests in k8s/ validate strictly against KubeRay's CRD, and their serveConfigV2
+is the application of serve_config.yaml (the CPU demo) or a valid config (the GPU example).
+
+CRDs come from ../shared/kuberay/ or $KUBERAY_CRD_DIR.
+"""
+import copy
+import os
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.app import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD_DIR = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "kuberay"))
+MANIFESTS = sorted((ROOT / "k8s").glob("*.yaml"))
+
+
+def strict(schema):
+    """OpenAPI 3.0 -> JSON Schema, rejecting unknown fields (the API server would prune them)."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+        if schema.pop("nullable", False) and "type" in schema:
+            schema["type"] = [schema["type"], "null"]
+        if schema.get("type") == "object" and "properties" in schema:
+            schema.setdefault("additionalProperties", False)
+        return schema
+    if isinstance(schema, list):
+        return [strict(x) for x in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def validator():
+    crd_file = CRD_DIR / "ray.io_rayservices.yaml"
+    if not crd_file.exists():
+        pytest.skip(f"KubeRay CRD not found at {crd_file}: set KUBERAY_CRD_DIR to a folder with "
+                    f"ray.io_rayservices.yaml to validate the manifests")
+    crd = yaml.safe_load(crd_file.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return jsonschema.Draft7Validator(strict(version["schema"]["openAPIV3Schema"]))
+
+
+def load(path):
+    return yaml.safe_load(path.read_text())
+
+
+def test_manifests_exist():
+    assert {p.name for p in MANIFESTS} == {"rayservice-cpu.yaml", "rayservice-gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates_strictly(validator, path):
+    doc = load(path)
+    assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == "RayService"
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_a_typo_is_caught(validator):
+    doc = load(ROOT / "k8s" / "rayservice-cpu.yaml")
+    bad = copy.deepcopy(doc)
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replica"] = 1  # "replicas"
+    assert list(validator.iter_errors(bad))
+    bad = copy.deepcopy(doc)
+    bad["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # must be a string
+    assert list(validator.iter_errors(bad))
+
+
+def serve_config_of(path):
+    return yaml.safe_load(load(path)["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_serve_config_parses(path):
+    config = serve_config_of(path)
+    ServeDeploySchema.model_validate(config)  # Ray's own schema
+    app = config["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app"
+    parse_args(app["args"])  # and ours: every key and rule of the speculative config
+    assert config["http_options"]["port"] == 8000 and config["grpc_options"]["port"] == 9000
+
+
+def test_cpu_demo_is_serve_config_yaml():
+    ours = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    k8s = serve_config_of(ROOT / "k8s" / "rayservice-cpu.yaml")
+    assert k8s["applications"] == ours["applications"]
+    assert k8s["grpc_options"] == ours["grpc_options"]
+    assert k8s["http_options"]["host"] == "0.0.0.0"  # reachable from the Service, unlike the local default
+
+
+def test_gpu_example():
+    doc = load(ROOT / "k8s" / "rayservice-gpu.yaml")
+    args = parse_args(serve_config_of(ROOT / "k8s" / "rayservice-gpu.yaml")["applications"][0]["args"])
+    assert args.model == "Qwen/Qwen3-8B" and args.tensor_parallel_size == 2
+    assert args.speculative_config.model == "Qwen/Qwen3-0.6B"
+    assert args.speculative_config.draft_tensor_parallel_size == 2
+    worker = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) >= 4  # target TP 2 + draft TP 2, one GPU per rank
+    assert worker["rayStartParams"]["num-gpus"] == limits["nvidia.com/gpu"]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_ports_and_readiness(path):
+    spec = load(path)["spec"]
+    ports = {p["port"] for p in spec["serveService"]["spec"]["ports"]}
+    assert {8000, 9000, 8080} <= ports
+    head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
