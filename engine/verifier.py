@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.rejection import verify_greedy, verify_standard, verify_synthetic
+from engine.rejection import verify_block, verify_greedy, verify_standard, verify_synthetic
 from engine.sampling import mask_tokens, probs_from_logits
 from engine.step import DraftOutput, VerifyBatch, VerifyOutput
 from engine.worker import ModelWorker
@@ -39,6 +39,8 @@ class Verifier:
                 p = probs_from_logits(row_logits, params.temperature, params.top_k, params.top_p)
                 if self.method == "synthetic" and d:
                     tokens = verify_synthetic(p, d, self.synthetic_rates, gen)
+                elif self.method == "block" and d:
+                    tokens = verify_block(p, d, row_probs[b], gen)
                 else:
                     tokens = verify_standard(p, d, row_probs[b], gen)
             out.append(tokens)

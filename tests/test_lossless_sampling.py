@@ -20,10 +20,11 @@ def plain():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
-def test_first_two_tokens_follow_target(plain, temperature, draft_sample_method):
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_first_two_tokens_follow_target(plain, temperature, draft_sample_method, method):
     llm = LLM(model=TARGET, max_num_seqs=64, seed=1,
               speculative_config={"model": DRAFT, "num_speculative_tokens": 3,
-                                  "draft_sample_method": draft_sample_method})
+                                  "draft_sample_method": draft_sample_method, "rejection_sample_method": method})
     params = [SamplingParams(temperature=temperature, max_tokens=2, ignore_eos=True, seed=s) for s in range(N)]
     outs = llm.generate([PROMPT] * N, params)
     first = [o.outputs[0].token_ids[0] for o in outs]
