@@ -7,11 +7,14 @@ and streams deltas. Nothing here computes a token.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 from ray import serve
 
 from deployments.app import ServeArgs
 from deployments.grpc_service import GrpcService
+from deployments.metrics_export import RayMetricsPusher
 from deployments.openai_api import create_app
 from engine.async_engine import AsyncEngine
 
@@ -34,6 +37,16 @@ class Coordinator:
                  self.engine.max_model_len)
 
         self.grpc = GrpcService(self.engine, args)
+        self._metrics = RayMetricsPusher(self.engine, args.model_name)
+        threading.Thread(target=self._push_metrics, name="tandem-ray-metrics", daemon=True).start()
+
+    def _push_metrics(self, interval_s: float = 5.0) -> None:
+        while self.engine.alive():
+            try:
+                self._metrics.push()
+            except Exception:  # noqa: BLE001 - metrics must never take serving down
+                log.exception("pushing Ray metrics failed")
+            time.sleep(interval_s)
 
     def __serve_build_asgi_app__(self):
         return create_app(self.engine, self.args)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.async_engine import AsyncEngine
 
@@ -31,8 +31,18 @@ class EngineCollector:
         for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
             per_pos.add_metric(value + [str(pos)], n)
         yield per_pos
+        counters = self.engine.core.scheduler.counters
         yield counter("generation_tokens", "Tokens generated (verified), across requests",
-                      self.engine.core.scheduler.num_generated_tokens)
+                      counters.num_generation_tokens)
+        yield counter("prompt_tokens", "Prompt tokens admitted", counters.num_prompt_tokens)
+        finished = CounterMetricFamily("tandem:request_success", "Finished requests, by finish reason",
+                                       labels=labels + ["finished_reason"])
+        for reason, n in sorted(counters.num_requests_finished.items()):
+            finished.add_metric(value + [reason], n)
+        yield finished
+        step = HistogramMetricFamily("tandem:engine_step_seconds", "Wall time of one engine step", labels=labels)
+        step.add_metric(value, counters.step_time.cumulative(), counters.step_time.total)
+        yield step
         running = GaugeMetricFamily("tandem:num_requests_running", "Requests in the batch", labels=labels)
         running.add_metric(value, self.engine.num_running())
         yield running
@@ -50,3 +60,44 @@ def metrics_text(engine: AsyncEngine, model_name: str = "") -> bytes:
         registry = _registries[id(engine)] = CollectorRegistry()
         registry.register(EngineCollector(engine, model_name))
     return generate_latest(registry)
+
+
+class RayMetricsPusher:
+    """The same counters through ray.util.metrics, so they reach Ray's metrics export port (8080
+    under KubeRay) with the rest of the cluster's metrics. Call push() periodically."""
+
+    COUNTERS = {
+        "spec_decode_num_drafts": "Verification steps with at least one draft token",
+        "spec_decode_num_draft_tokens": "Draft tokens proposed",
+        "spec_decode_num_accepted_tokens": "Draft tokens accepted",
+        "generation_tokens": "Tokens generated",
+        "prompt_tokens": "Prompt tokens admitted",
+    }
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        from ray.util import metrics
+
+        self.engine, self.tags = engine, {"model_name": model_name}
+        self.counters = {name: metrics.Counter(f"tandem_{name}", doc, tag_keys=("model_name",))
+                         for name, doc in self.COUNTERS.items()}
+        self.running = metrics.Gauge("tandem_num_requests_running", "Requests in the batch", tag_keys=("model_name",))
+        self.waiting = metrics.Gauge("tandem_num_requests_waiting", "Requests waiting", tag_keys=("model_name",))
+        self.last: dict[str, float] = {}
+
+    def values(self) -> dict[str, float]:
+        stats = self.engine.core.scheduler.stats
+        counters = self.engine.core.scheduler.counters
+        return {"spec_decode_num_drafts": stats.num_drafts,
+                "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+                "generation_tokens": counters.num_generation_tokens,
+                "prompt_tokens": counters.num_prompt_tokens}
+
+    def push(self) -> None:
+        for name, value in self.values().items():
+            delta = value - self.last.get(name, 0)
+            if delta > 0:
+                self.counters[name].inc(delta, tags=self.tags)
+            self.last[name] = value
+        self.running.set(self.engine.num_running(), tags=self.tags)
+        self.waiting.set(self.engine.num_waiting(), tags=self.tags)

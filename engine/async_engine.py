@@ -11,13 +11,14 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig, SamplingParams
 from engine.core import EngineCore
-from engine.metrics import SpecDecodeStats
+from engine.metrics import SpecDecodeLogger, SpecDecodeStats
 from engine.scheduler import Sequence
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class QueueFullError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, use_ray: bool | None = None, max_queued_requests: int | None = None):
+    def __init__(self, config: EngineConfig, use_ray: bool | None = None, max_queued_requests: int | None = None,
+                 log_interval_s: float = 10.0):
         self.core = EngineCore(config, use_ray=use_ray)
         self.tokenizer = self.core.tokenizer
         self.max_queued_requests = max_queued_requests
@@ -50,6 +52,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, dict]] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self._spec_log = SpecDecodeLogger(log_interval_s)
         self._thread = threading.Thread(target=self._run, name="tandem-step-loop", daemon=True)
         self._thread.start()
 
@@ -136,6 +139,7 @@ class AsyncEngine:
                 seqs = sched.fail_running(f"internal error in the engine step: {type(e).__name__}")
             for seq in seqs:
                 self._emit(seq)
+            self._spec_log.maybe_log(sched.stats, time.monotonic(), log)
 
     def _emit_error(self, request_id: str, message: str) -> None:
         stream = self._streams.pop(request_id, None)

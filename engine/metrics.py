@@ -42,3 +42,73 @@ class SpecDecodeStats:
 
     def per_position_rates(self) -> list[float]:
         return [a / self.num_drafts for a in self.num_accepted_tokens_per_pos] if self.num_drafts else []
+
+
+# Step-time buckets (seconds): CPU steps of small models take 10-500 ms.
+STEP_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = STEP_TIME_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TIME_BUCKETS) + 1))  # last: +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        i = next((j for j, b in enumerate(self.buckets) if value <= b), len(self.buckets))
+        self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class EngineCounters:
+    """Request/token counters and step timings of one engine (spec-decode counters: SpecDecodeStats)."""
+
+    num_requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    step_time: Histogram = field(default_factory=Histogram)
+
+    def finished(self, reason: str) -> None:
+        self.num_requests_finished[reason] = self.num_requests_finished.get(reason, 0) + 1
+
+
+class SpecDecodeLogger:
+    """A periodic log line like vLLM's: acceptance over the last interval."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self.last_time = None
+        self.last = SpecDecodeStats()
+
+    def maybe_log(self, stats: SpecDecodeStats, now: float, log) -> str | None:
+        if self.last_time is None:
+            self.last_time = now
+            return None
+        if now - self.last_time < self.interval_s or stats.num_drafts == self.last.num_drafts:
+            return None
+        delta = SpecDecodeStats(
+            stats.num_drafts - self.last.num_drafts,
+            stats.num_draft_tokens - self.last.num_draft_tokens,
+            stats.num_accepted_tokens - self.last.num_accepted_tokens,
+            [a - b for a, b in zip(stats.num_accepted_tokens_per_pos,
+                                   self.last.num_accepted_tokens_per_pos + [0] * len(stats.num_accepted_tokens_per_pos))],
+        )
+        line = (f"SpecDecoding metrics: Mean acceptance length: {delta.mean_acceptance_length:.2f}, "
+                f"Accepted: {delta.num_accepted_tokens} tokens, Drafted: {delta.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in delta.per_position_rates())}, "
+                f"Avg Draft acceptance rate: {100 * delta.acceptance_rate:.1f}%")
+        log.info(line)
+        self.last_time = now
+        self.last = SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                                    list(stats.num_accepted_tokens_per_pos))
+        return line

@@ -7,12 +7,13 @@ new tokens. `max_num_seqs` bounds the batch; the rest wait in arrival order.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SamplingParams
 from engine.executor import ExecutorError
-from engine.metrics import SpecDecodeStats
+from engine.metrics import EngineCounters, SpecDecodeStats
 from engine.step import DraftBatch, RowSampling, VerifyBatch
 from engine.vocab_mapping import VocabMapping
 
@@ -57,7 +58,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SpecDecodeStats()
-        self.num_generated_tokens = 0
+        self.counters = EngineCounters()
         self._seeds = itertools.count(config.seed * 1_000_003)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -89,13 +90,19 @@ class Scheduler:
 
     def step(self) -> list[Sequence]:
         """Run one round; return the sequences that got new tokens (finished ones included)."""
+        start = time.perf_counter()
         try:
             self._admit()
             if not self.running:
                 return []
-            return self._round()
+            seqs = self._round()
         except ExecutorError as e:
-            return self.fail_running(str(e))
+            seqs = self.fail_running(str(e))
+        self.counters.step_time.observe(time.perf_counter() - start)
+        for seq in seqs:
+            if seq.finished:
+                self.counters.finished(seq.finish_reason)
+        return seqs
 
     def _round(self) -> list[Sequence]:
         rows = list(self.running)
@@ -150,6 +157,7 @@ class Scheduler:
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
+            self.counters.num_prompt_tokens += len(seq.prompt_ids)
             self.running.append(seq)  # from here on a failure ends it like any running sequence
             self.executor.add_request(seq.request_id, seq.seed)
             prefix = seq.prompt_ids[:-1]  # the last prompt token is fed by the first step
@@ -190,9 +198,9 @@ class Scheduler:
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
         p = seq.params
         start = len(seq.output_ids)
-        self.num_generated_tokens += len(tokens)
         for token in tokens:
             seq.output_ids.append(token)
+            self.counters.num_generation_tokens += 1
             if not p.ignore_eos and token in self.eos_ids:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_ids:

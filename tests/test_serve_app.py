@@ -230,3 +230,26 @@ def test_grpc_queue_full_and_cancel(base, stub):
     time.sleep(1.0)
     assert metric(base, "small", "generation_tokens_total") == generated
     assert metric(base, "small", "num_requests_running") == 0
+
+
+def test_metrics_match_per_request_stats(base, stub):
+    """/metrics counters move by exactly the spec-decode stats the requests report."""
+    from tandem_proto import tandem_pb2 as pb
+
+    names = ["spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+             "spec_decode_num_accepted_tokens_total", "generation_tokens_total"]
+    before = {n: metric(base, "spec", n) for n in names}
+    replies = [stub.Generate(pb.GenerateRequest(model=TARGET, prompt=p, max_tokens=n, temperature=t,
+                                                ignore_eos=True, seed=1), metadata=app_md("spec"))
+               for p, n, t in [("abc", 20, 0.0), ("hello there", 13, 1.0), ("x", 7, 0.5)]]
+    after = {n: metric(base, "spec", n) for n in names}
+    assert after["spec_decode_num_drafts_total"] - before["spec_decode_num_drafts_total"] == \
+        sum(r.spec_decode.num_drafts for r in replies)
+    assert after["spec_decode_num_draft_tokens_total"] - before["spec_decode_num_draft_tokens_total"] == \
+        sum(r.spec_decode.num_draft_tokens for r in replies)
+    assert after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"] == \
+        sum(r.spec_decode.num_accepted_tokens for r in replies)
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 20 + 13 + 7
+    text = httpx.get(f"{base}/spec/metrics").text
+    assert 'tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
+    assert "tandem:engine_step_seconds_bucket" in text and 'finished_reason="length"' in text

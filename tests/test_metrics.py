@@ -1,0 +1,62 @@
+"""Spec-decode counters: the engine's totals are the sums of its requests' stats, and they reach
+the periodic log line and /metrics unchanged."""
+import logging
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.metrics import SpecDecodeLogger, SpecDecodeStats
+
+TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
+
+
+@pytest.fixture(scope="module")
+def run():
+    llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3})
+    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True, seed=i)
+              for i, (t, n) in enumerate([(0.0, 30), (1.0, 17), (0.7, 25), (0.0, 9)])]
+    outs = llm.generate(["hello", "the cat", "abc", "zz"], params)
+    return llm, outs
+
+
+def test_engine_totals_equal_sum_of_requests(run):
+    llm, outs = run
+    total = SpecDecodeStats()
+    for o in outs:
+        total.merge(o.spec_decode_stats)
+    engine = llm.spec_decode_stats
+    assert (engine.num_drafts, engine.num_draft_tokens, engine.num_accepted_tokens) == \
+        (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens)
+    assert engine.num_accepted_tokens_per_pos == total.num_accepted_tokens_per_pos
+    assert engine.num_drafts > 0
+    # every step emits accepted + 1 tokens
+    for o in outs:
+        s = o.spec_decode_stats
+        assert len(o.outputs[0].token_ids) <= s.num_accepted_tokens + s.num_drafts + 1
+    counters = llm.scheduler.counters
+    assert counters.num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in outs) == 30 + 17 + 25 + 9
+    assert counters.num_prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
+    assert counters.num_requests_finished == {"length": 4}
+    assert counters.step_time.count > 0 and counters.step_time.cumulative()[-1][1] == counters.step_time.count
+
+
+def test_per_position_counts_are_monotone(run):
+    llm, _ = run
+    per_pos = llm.spec_decode_stats.num_accepted_tokens_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # accepting position i needs all before it
+    assert sum(per_pos) == llm.spec_decode_stats.num_accepted_tokens
+
+
+def test_periodic_log_line(run, caplog):
+    llm, _ = run
+    stats = llm.spec_decode_stats
+    logger = SpecDecodeLogger(interval_s=10.0)
+    log = logging.getLogger("test.spec")
+    assert logger.maybe_log(SpecDecodeStats(), 0.0, log) is None  # starts the clock
+    assert logger.maybe_log(stats, 5.0, log) is None  # too soon
+    with caplog.at_level(logging.INFO, logger="test.spec"):
+        line = logger.maybe_log(stats, 11.0, log)
+    assert line in caplog.text
+    assert f"Mean acceptance length: {stats.mean_acceptance_length:.2f}" in line
+    assert f"Accepted: {stats.num_accepted_tokens} tokens, Drafted: {stats.num_draft_tokens} tokens" in line
+    assert logger.maybe_log(stats, 30.0, log) is None  # nothing new since the last line
