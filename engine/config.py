@@ -32,6 +32,9 @@ class SpeculativeConfig(BaseModel):
     synthetic_acceptance_length: float | None = None
     use_heterogeneous_vocab: bool = False
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    # Tandem's extension: choose each request's K per step in [0, num_speculative_tokens] from
+    # measured costs and its running acceptance (engine/adaptive.py); 0 is plain decoding.
+    adaptive: bool = False
 
     @model_validator(mode="before")
     @classmethod

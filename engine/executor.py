@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import torch
 
@@ -69,11 +70,16 @@ class GroupRank:
         self.worker.prefill(slot, tokens)
 
     def propose(self, batch: DraftBatch) -> DraftOutput | None:
+        start = time.perf_counter()
         out = self.proposer.propose(batch)
+        out.elapsed_s = time.perf_counter() - start
         return out if self.rank == 0 else None
 
     def verify(self, batch: VerifyBatch, drafts: DraftOutput | None) -> VerifyOutput | None:
+        start = time.perf_counter()
         out = self.verifier.verify(batch, drafts)
+        out.elapsed_s = time.perf_counter() - start
+        out.draft_elapsed_s = drafts.elapsed_s if drafts is not None else 0.0
         return out if self.rank == 0 else None
 
     def logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.adaptive import AcceptanceEstimate, CostModel, adaptive_k
 from engine.config import EngineConfig, SamplingParams
 from engine.executor import ExecutorError
 from engine.metrics import EngineCounters, SpecDecodeStats
@@ -35,6 +36,7 @@ class Sequence:
     error: str | None = None
     stop_reason: int | str | None = None
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     @property
     def all_ids(self) -> list[int]:
@@ -59,6 +61,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SpecDecodeStats()
         self.counters = EngineCounters()
+        self.costs = CostModel(self.spec.num_speculative_tokens) if self.spec else None
         self._seeds = itertools.count(config.seed * 1_000_003)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -125,10 +128,13 @@ class Scheduler:
                 sampling=[sampling[b] for b in drafting],
             )
         result = self.executor.step(verify, draft)
+        if self.costs is not None:
+            self.costs.observe(max(ks), result.draft_elapsed_s, result.elapsed_s)
         for b, seq in enumerate(rows):
             k = ks[b]
             new, accepted = result.tokens[b], result.num_accepted[b]
             seq.stats.observe(k, accepted)
+            seq.acceptance.observe(k, accepted)
             self.stats.observe(k, accepted)
             n_pending = len(verify.pending[b])
             seq.target_cached += n_pending + accepted
@@ -185,7 +191,10 @@ class Scheduler:
     def _num_drafts(self, seq: Sequence) -> int:
         if self.spec is None:
             return 0
-        return max(0, min(self.spec.num_speculative_tokens, self._budget(seq) - 1))
+        k = self.spec.num_speculative_tokens
+        if self.spec.adaptive:
+            k = adaptive_k(seq.acceptance, self.costs, k)
+        return max(0, min(k, self._budget(seq) - 1))
 
     def _row_sampling(self, seq: Sequence) -> RowSampling:
         p = seq.params

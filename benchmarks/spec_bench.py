@@ -1,0 +1,160 @@
+"""Speculative decoding, timed: measured speedup against the cost model, per K, plus adaptive K.
+
+    .venv/bin/python benchmarks/spec_bench.py [--pairs real synthetic] [--max-tokens 32]
+
+For each pair and K: acceptance rate, mean acceptance length, per-position acceptance, tokens/s
+with and without speculation, the speedup; the measured cost ratios c = draft step / target step
+and v = target step with K+1 tokens / with 1; and the predicted speedup E / (K*c + v) with
+E = (1 - a^(K+1)) / (1 - a). Pairs:
+  real       target google/gemma-3-270m <- draft SmolLM2-135M-Instruct (TLI), greedy
+  synthetic  random 1.7B Llama-shape target <- random SmolLM2-135M-shape draft,
+             rejection_sample_method synthetic with per-token acceptance a in {0.1, 0.5, 0.7, 0.9}
+Writes benchmarks/results/spec_bench.json and spec_bench.png.
+
+One engine per pair is built once; between configurations only the speculative config changes
+(building a random 1.7B model takes longer than a whole configuration's run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from engine import SamplingParams
+from engine.adaptive import CostModel, expected_tokens
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.core import EngineCore
+from engine.verifier import Verifier
+
+RESULTS = Path(__file__).parent / "results"
+PROMPTS = ["The history of the printing press begins", "def quicksort(items):\n", "Dear team, thank you for"]
+PAIRS = {
+    "real": ("google/gemma-3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct", {"use_heterogeneous_vocab": True}),
+    "synthetic": ("random:llama-1.7b", "random:smollm2-135m", {}),
+}
+
+
+def use_spec(core: EngineCore, spec: SpeculativeConfig | None) -> None:
+    """Point a built engine at another speculative config (same draft model)."""
+    sched = core.scheduler
+    sched.spec = spec
+    sched.costs = CostModel(spec.num_speculative_tokens) if spec else None
+    sched.stats = type(sched.stats)()
+    core.executor.target.verifier = Verifier(core.executor.target.worker, spec)
+
+
+def run(core: EngineCore, params: SamplingParams, prompts: list[str]) -> float:
+    """Output tokens/s, one request at a time (the latency-bound case speculation is for)."""
+    sched = core.scheduler
+    produced, start = 0, time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        seq = sched.add(f"bench-{time.monotonic_ns()}-{i}", prompt, core.tokenizer.encode(prompt), params)
+        while not seq.finished:
+            sched.step()
+        produced += len(seq.output_ids)
+    return produced / (time.perf_counter() - start)
+
+
+def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens: int) -> list[dict]:
+    target, draft, extra = PAIRS[name]
+    base = {"model": draft, "num_speculative_tokens": max(ks), **extra}
+    core = EngineCore(EngineConfig(model=target, max_model_len=512, max_num_seqs=1,
+                                   speculative_config=SpeculativeConfig.model_validate(base)), use_ray=False)
+    temperature = 0.0 if name == "real" else 1.0
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    use_spec(core, None)
+    run(core, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True), PROMPTS[:1])  # warm-up
+    plain = run(core, params, PROMPTS)
+    rows = []
+    for alpha in alphas:
+        for k in [*ks, "adaptive"]:
+            cfg = {**base, "num_speculative_tokens": max(ks) if k == "adaptive" else k,
+                   "adaptive": k == "adaptive"}
+            if alpha is not None:
+                cfg.update(rejection_sample_method="synthetic",
+                           synthetic_acceptance_rates=[alpha] * cfg["num_speculative_tokens"])
+            spec = SpeculativeConfig.model_validate(cfg)
+            use_spec(core, spec)
+            tps = run(core, params, PROMPTS)
+            stats = core.scheduler.stats
+            row = {"pair": name, "alpha_config": alpha, "k": k, "tok_s": tps, "plain_tok_s": plain,
+                   "speedup": tps / plain, "acceptance_rate": stats.acceptance_rate,
+                   "mean_acceptance_length": stats.mean_acceptance_length,
+                   "per_position": stats.per_position_rates(), "mean_k": stats.num_draft_tokens / max(1, stats.num_drafts)}
+            ratios = core.scheduler.costs.ratios()
+            if ratios is not None and k != "adaptive":
+                c, v = ratios
+                # per-token acceptance: the configured rate, else the one that explains the measured length
+                a = alpha if alpha is not None else solve_alpha(stats.mean_acceptance_length, k)
+                row.update(c=c, v=v[k], alpha=a, predicted=expected_tokens(a, k) / (k * c + v[k]))
+            rows.append(row)
+    core.shutdown()
+    return rows
+
+
+def solve_alpha(mean_length: float, k: int) -> float:
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < mean_length else (lo, mid)
+    return lo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 5])
+    ap.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.5, 0.7, 0.9])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    rows = []
+    for name in args.pairs:
+        rows += bench_pair(name, args.ks, [None] if name == "real" else args.alphas, args.max_tokens)
+
+    print(f"{'pair':<10}{'a':>5}{'K':>9}{'accept':>7}{'len':>6}{'tok/s':>7}{'plain':>7}{'speedup':>8}"
+          f"{'c':>6}{'v':>6}{'pred':>6}")
+    for r in rows:
+        pred = f"{r['predicted']:>6.2f}" if "predicted" in r else f"{'':>6}"
+        cv = f"{r['c']:>6.2f}{r['v']:>6.2f}" if "c" in r else f"{'':>12}"
+        alpha = "" if r["alpha_config"] is None else f"{r['alpha_config']:.1f}"
+        print(f"{r['pair']:<10}{alpha:>5}{str(r['k']):>9}{r['acceptance_rate']:>7.2f}{r['mean_acceptance_length']:>6.2f}"
+              f"{r['tok_s']:>7.1f}{r['plain_tok_s']:>7.1f}{r['speedup']:>7.2f}x{cv}{pred}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "spec_bench.json").write_text(json.dumps(rows, indent=2))
+    plot(rows, RESULTS / "spec_bench.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["pair"], r["alpha_config"]) for r in rows}, key=str)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for pair, alpha in groups:
+        sel = [r for r in rows if r["pair"] == pair and r["alpha_config"] == alpha and r["k"] != "adaptive"]
+        label = pair if alpha is None else f"{pair} a={alpha}"
+        line, = ax1.plot([r["k"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"{label} measured")
+        ax1.plot([r["k"] for r in sel], [r.get("predicted", float("nan")) for r in sel], "x--",
+                 color=line.get_color(), label=f"{label} predicted")
+        adaptive = [r for r in rows if r["pair"] == pair and r["alpha_config"] == alpha and r["k"] == "adaptive"]
+        if adaptive:
+            ax1.axhline(adaptive[0]["speedup"], color=line.get_color(), lw=0.8, ls=":")
+        best = max(sel, key=lambda r: len(r["per_position"]))
+        ax2.plot(range(1, len(best["per_position"]) + 1), best["per_position"], "o-", label=label)
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set(xlabel="K", ylabel="speedup over plain decoding", title="measured (o) vs predicted (x); adaptive (dotted)")
+    ax2.set(xlabel="draft position", ylabel="acceptance rate", title="acceptance per position (largest K)")
+    ax1.legend(fontsize=6)
+    ax2.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Adaptive speculation: pick each request's K every step from what speculation costs and earns.
+
+With per-draft acceptance a, K drafts yield E(K) = (1 - a^(K+1)) / (1 - a) tokens per step
+(Leviathan et al.), at a cost of K draft steps plus one verify of K+1 tokens. In units of one plain
+target step: cost(K) = K*c + v(K), c = draft step / target step, v(K) = verify(K+1 tokens) / verify(1).
+K = 0 is plain decoding (E = 1, cost = 1). The policy takes the K in [0, K_max] with the best
+E(K)/cost(K); costs are measured by the engine as it runs, acceptance per request.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def choose_k(alpha: float, draft_cost: float, verify_cost: list[float], k_max: int) -> int:
+    """Best K in [0, k_max]; draft_cost = c, verify_cost[k] = v(k) (v(0) = 1)."""
+    best_k, best_rate = 0, 1.0
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(alpha, k) / (k * draft_cost + verify_cost[k])
+        if rate > best_rate * 1.02:  # a 2% margin keeps noise from flipping to speculation
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass
+class CostModel:
+    """Running estimates of step costs, in seconds, from the engine's own timings: the median of
+    the last few measurements per size, so a slow first call (allocation, caches) doesn't linger."""
+
+    k_max: int
+    window: int = 8
+    draft_s: deque = field(default_factory=deque)  # one draft forward (batched)
+    verify_s: list[deque] = field(default_factory=list)  # index k: a verify of k+1 tokens per row
+
+    def __post_init__(self):
+        self.draft_s = deque(maxlen=self.window)
+        self.verify_s = [deque(maxlen=self.window) for _ in range(self.k_max + 1)]
+
+    def observe(self, num_drafts: int, propose_s: float, verify_s: float) -> None:
+        if num_drafts > 0 and propose_s > 0:
+            self.draft_s.append(propose_s / num_drafts)
+        self.verify_s[num_drafts].append(verify_s)
+
+    def ratios(self) -> tuple[float, list[float]] | None:
+        """(c, [v(0)..v(k_max)]) once a plain step and a draft step have been measured."""
+        if not self.verify_s[0] or not self.draft_s:
+            return None
+        base = median(self.verify_s[0])
+        known = [(k, median(s) / base) for k, s in enumerate(self.verify_s) if s]
+        # unmeasured verify sizes: linear between measured ones, extrapolated from the last slope
+        v = []
+        for k in range(self.k_max + 1):
+            lower = max((p for p in known if p[0] <= k), key=lambda p: p[0])
+            upper = min((p for p in known if p[0] >= k), key=lambda p: p[0], default=None)
+            if upper is None:
+                slope = (lower[1] - known[-2][1]) / (lower[0] - known[-2][0]) if len(known) > 1 else 0.1
+                v.append(lower[1] + max(slope, 0.0) * (k - lower[0]))
+            elif upper[0] == lower[0]:
+                v.append(lower[1])
+            else:
+                t = (k - lower[0]) / (upper[0] - lower[0])
+                v.append(lower[1] + t * (upper[1] - lower[1]))
+        # verifying more tokens never costs less than fewer (timing noise can say otherwise)
+        for k in range(len(v)):
+            v[k] = max(v[k], v[k - 1] if k else 1.0, 1.0)
+        return median(self.draft_s) / base, v
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per request: acceptance per draft token, a decayed Beta(1, 1) posterior mean."""
+
+    decay: float = 0.9
+    accepted: float = 1.0
+    drafted: float = 2.0
+    steps_without_drafts: int = 0
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            self.steps_without_drafts += 1
+            return
+        self.steps_without_drafts = 0
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.drafted = self.decay * self.drafted + num_drafts
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.drafted
+
+
+# After this many plain steps a request drafts one token again, so a wrong estimate can recover.
+PROBE_EVERY = 16
+
+
+def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> int:
+    ratios = costs.ratios()
+    if ratios is None:  # not measured yet: measure a plain step first, then a full draft
+        return 0 if not costs.verify_s[0] else k_max
+    if estimate.steps_without_drafts >= PROBE_EVERY:
+        return 1
+    c, v = ratios
+    return choose_k(estimate.alpha, c, v, k_max)

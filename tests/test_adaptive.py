@@ -1,0 +1,66 @@
+"""Adaptive speculation: K per request per step, within num_speculative_tokens, 0 when drafts fail."""
+from engine import LLM, SamplingParams
+from engine.adaptive import AcceptanceEstimate, CostModel, adaptive_k, choose_k, expected_tokens
+
+TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+
+
+def test_choose_k_follows_the_cost_model():
+    cheap = [1.0 + 0.05 * k for k in range(6)]  # verify of K+1 tokens costs little more than 1
+    assert choose_k(0.0, 0.05, cheap, 5) == 0  # nothing is ever accepted: plain decoding
+    assert choose_k(0.95, 0.05, cheap, 5) == 5  # cheap draft, high acceptance: the maximum
+    assert choose_k(0.95, 0.05, cheap, 3) == 3  # never above the maximum
+    assert choose_k(0.9, 1.0, cheap, 5) == 0  # a draft as expensive as the target never pays
+    mid = choose_k(0.6, 0.1, cheap, 5)
+    assert 1 <= mid < 5  # moderate acceptance: a moderate K
+
+
+def test_cost_model_interpolates_unmeasured_sizes():
+    costs = CostModel(k_max=4)
+    assert costs.ratios() is None
+    costs.observe(0, 0.0, 0.100)
+    costs.observe(4, 0.040, 0.140)
+    c, v = costs.ratios()
+    assert abs(c - 0.1) < 1e-9 and v[0] == 1.0 and abs(v[4] - 1.4) < 1e-9
+    assert abs(v[2] - 1.2) < 1e-9  # halfway between the measured sizes
+
+
+def test_unmeasured_engine_measures_plain_then_full_k():
+    costs, estimate = CostModel(k_max=3), AcceptanceEstimate()
+    assert adaptive_k(estimate, costs, 3) == 0
+    costs.observe(0, 0.0, 0.1)
+    assert adaptive_k(estimate, costs, 3) == 3
+
+
+def synthetic_llm(rate: float, k: int = 3) -> LLM:
+    return LLM(model=TARGET, speculative_config={
+        "model": DRAFT, "num_speculative_tokens": k, "adaptive": True,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [rate] * k})
+
+
+def test_adaptive_reaches_zero_when_acceptance_is_zero():
+    llm = synthetic_llm(0.0)
+    out = llm.generate("hello", SamplingParams(temperature=1.0, max_tokens=150, ignore_eos=True, seed=0))[0]
+    stats = out.spec_decode_stats
+    steps = 150 - stats.num_accepted_tokens  # every step emits accepted + 1 tokens
+    assert stats.num_accepted_tokens == 0
+    # after the first measurements, only the periodic one-token probes draft at all
+    assert stats.num_drafts <= 2 + steps // 16
+    assert len(stats.num_accepted_tokens_per_pos) <= 3
+
+
+def test_adaptive_respects_the_maximum():
+    llm = synthetic_llm(1.0, k=2)
+    # make drafting look free, so the policy wants as many drafts as it may take
+    llm.scheduler.costs.observe(0, 0.0, 1.0)
+    llm.scheduler.costs.observe(2, 1e-6, 1.0)
+    out = llm.generate("hello", SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=0))[0]
+    stats = out.spec_decode_stats
+    assert len(stats.num_accepted_tokens_per_pos) <= 2  # never a third draft
+    assert stats.num_draft_tokens >= stats.num_drafts  # and drafting happened
