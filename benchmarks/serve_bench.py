@@ -47,67 +47,68 @@ def summarize(records: list[dict], wall: float) -> dict:
     }
 
 
-async def http_run(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+async def timed(events) -> dict:
+    """One request's timings from its stream of (new text, new tokens) events."""
+    start = time.perf_counter()
+    first, last, itl, tokens = None, None, [], 0
+    async for text, new_tokens in events:
+        now = time.perf_counter()
+        tokens += new_tokens
+        if not text:
+            continue
+        if first is None:
+            first = now
+        else:
+            itl.append(now - last)
+        last = now
+    return {"ttft": first - start, "e2e": time.perf_counter() - start, "itl": itl, "tokens": tokens}
+
+
+async def measure(streams, concurrency: int) -> dict:
+    """Run the request streams (zero-argument async-iterator factories) `concurrency` at a time."""
     sem = asyncio.Semaphore(concurrency)
-    records = []
 
-    async def one(client: httpx.AsyncClient, prompt: str):
+    async def one(stream):
         async with sem:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            start = time.perf_counter()
-            first, last, itl, tokens = None, None, [], 0
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    now = time.perf_counter()
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if not chunk.get("choices") or not chunk["choices"][0]["text"]:
-                        continue
-                    if first is None:
-                        first = now
-                    else:
-                        itl.append(now - last)
-                    last = now
-            records.append({"ttft": first - start, "e2e": time.perf_counter() - start, "itl": itl,
-                            "tokens": tokens})
+            return await timed(stream())
 
+    start = time.perf_counter()
+    records = await asyncio.gather(*(one(s) for s in streams))
+    return summarize(list(records), time.perf_counter() - start)
+
+
+async def http_run(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(one(client, p) for p in prompts))
-        return summarize(records, time.perf_counter() - start)
+        def stream(prompt):
+            async def events():
+                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):  # the last chunk: token count, no text
+                            yield "", chunk["usage"]["completion_tokens"]
+                        elif chunk.get("choices"):
+                            yield chunk["choices"][0]["text"], 0
+            return events
+
+        return await measure([stream(p) for p in prompts], concurrency)
 
 
 async def engine_run(engine, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
     from engine import SamplingParams
 
-    sem = asyncio.Semaphore(concurrency)
-    records = []
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
-    async def one(prompt: str):
-        async with sem:
-            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            start = time.perf_counter()
-            first, last, itl, tokens = None, None, [], 0
+    def stream(prompt):
+        async def events():
             async for delta in engine.add_request(prompt, params):
-                now = time.perf_counter()
-                tokens += len(delta.token_ids)
-                if not delta.text:
-                    continue
-                if first is None:
-                    first = now
-                else:
-                    itl.append(now - last)
-                last = now
-            records.append({"ttft": first - start, "e2e": time.perf_counter() - start, "itl": itl,
-                            "tokens": tokens})
+                yield delta.text, len(delta.token_ids)
+        return events
 
-    start = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
-    return summarize(records, time.perf_counter() - start)
+    return await measure([stream(p) for p in prompts], concurrency)
 
 
 def acceptance(url: str) -> dict:
