@@ -43,6 +43,7 @@ def use_spec(core: EngineCore, spec: SpeculativeConfig | None) -> None:
     sched.spec = spec
     sched.costs = CostModel(spec.num_speculative_tokens) if spec else None
     sched.stats = type(sched.stats)()
+    sched.acceptance = type(sched.acceptance)(decay=sched.acceptance.decay)
     core.executor.target.verifier = Verifier(core.executor.target.worker, spec)
 
 
@@ -84,15 +85,34 @@ def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens:
                    "speedup": tps / plain, "acceptance_rate": stats.acceptance_rate,
                    "mean_acceptance_length": stats.mean_acceptance_length,
                    "per_position": stats.per_position_rates(), "mean_k": stats.num_draft_tokens / max(1, stats.num_drafts)}
-            ratios = core.scheduler.costs.ratios()
-            if ratios is not None and k != "adaptive":
-                c, v = ratios
+            if k != "adaptive":
+                c, v = measure_costs(core, k)
                 # per-token acceptance: the configured rate, else the one that explains the measured length
                 a = alpha if alpha is not None else solve_alpha(stats.mean_acceptance_length, k)
-                row.update(c=c, v=v[k], alpha=a, predicted=expected_tokens(a, k) / (k * c + v[k]))
+                row.update(c=c, v=v, alpha=a, predicted=expected_tokens(a, k) / (k * c + v))
             rows.append(row)
     core.shutdown()
     return rows
+
+
+@torch.inference_mode()
+def measure_costs(core: EngineCore, k: int, context: int = 64, repeats: int = 7) -> tuple[float, float]:
+    """c = draft step / target step and v = target step with k+1 tokens / with 1, timed directly on
+    the engine's workers (slot 0, free between requests) at `context` cached tokens."""
+    import statistics
+
+    def ms(worker, n):
+        worker.forward([0], [0], [[1] * context])  # fill the cache up to `context`
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            worker.forward([0], [context], [[1] * n])
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    target, draft = core.executor.target.worker, core.executor.draft.worker
+    one = ms(target, 1)
+    return ms(draft, 1) / one, ms(target, k + 1) / one
 
 
 def solve_alpha(mean_length: float, k: int) -> float:

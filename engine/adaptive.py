@@ -94,6 +94,10 @@ class AcceptanceEstimate:
     def alpha(self) -> float:
         return self.accepted / self.drafted
 
+    def prior(self, weight: float = 4.0) -> "AcceptanceEstimate":
+        """A new request's starting estimate: this one's acceptance, worth `weight` drafts."""
+        return AcceptanceEstimate(accepted=weight * self.alpha, drafted=weight)
+
 
 # After this many plain steps a request drafts one token again, so a wrong estimate can recover.
 PROBE_EVERY = 16

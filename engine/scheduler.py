@@ -62,6 +62,7 @@ class Scheduler:
         self.stats = SpecDecodeStats()
         self.counters = EngineCounters()
         self.costs = CostModel(self.spec.num_speculative_tokens) if self.spec else None
+        self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
         self._seeds = itertools.count(config.seed * 1_000_003)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -71,7 +72,8 @@ class Scheduler:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len}: "
                              f"shorten the prompt so at least one token can be generated")
         seed = params.seed if params.seed is not None else next(self._seeds)
-        seq = Sequence(request_id, prompt, list(prompt_ids), params, seed)
+        seq = Sequence(request_id, prompt, list(prompt_ids), params, seed,
+                       acceptance=self.acceptance.prior())
         self.waiting.append(seq)
         return seq
 
@@ -135,6 +137,7 @@ class Scheduler:
             new, accepted = result.tokens[b], result.num_accepted[b]
             seq.stats.observe(k, accepted)
             seq.acceptance.observe(k, accepted)
+            self.acceptance.observe(k, accepted)
             self.stats.observe(k, accepted)
             n_pending = len(verify.pending[b])
             seq.target_cached += n_pending + accepted
