@@ -74,10 +74,7 @@ class AsyncEngine:
         """Validate (ValueError on bad input), queue, then yield deltas until the request ends."""
         request_id = request_id or f"req-{next(self._ids)}"
         text, ids = self.core.prompt_ids(prompt)
-        sched = self.core.scheduler
-        if len(ids) >= sched.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens, but max_model_len is {sched.max_model_len}: "
-                             f"shorten the prompt so at least one token can be generated")
+        self.core.scheduler.check_prompt(ids)  # raise here, in the caller's task, not in the loop thread
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:

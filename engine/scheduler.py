@@ -65,12 +65,15 @@ class Scheduler:
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
         self._seeds = itertools.count(config.seed * 1_000_003)
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len}: "
                              f"shorten the prompt so at least one token can be generated")
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.check_prompt(prompt_ids)
         seed = params.seed if params.seed is not None else next(self._seeds)
         seq = Sequence(request_id, prompt, list(prompt_ids), params, seed,
                        acceptance=self.acceptance.prior())
@@ -142,8 +145,8 @@ class Scheduler:
             n_pending = len(verify.pending[b])
             seq.target_cached += n_pending + accepted
             if k > 0:
-                # the draft cache holds its pending tokens and drafts 1..k-1
-                seq.draft_cached += len(draft.pending[drafting.index(b)]) + min(accepted, k - 1)
+                # the draft cache now holds all of draft_ids (its pending tokens were fed) and drafts 1..k-1
+                seq.draft_cached = len(seq.draft_ids) + min(accepted, k - 1)
             self._append(seq, new)
             if seq.finished:
                 self._release(seq)

@@ -62,5 +62,5 @@ def test_adaptive_respects_the_maximum():
     llm.scheduler.costs.observe(2, 1e-6, 1.0)
     out = llm.generate("hello", SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=0))[0]
     stats = out.spec_decode_stats
-    assert len(stats.num_accepted_tokens_per_pos) <= 2  # never a third draft
-    assert stats.num_draft_tokens >= stats.num_drafts  # and drafting happened
+    assert len(stats.num_accepted_tokens_per_pos) == 2  # the maximum was used, never a third draft
+    assert stats.num_draft_tokens > stats.num_drafts  # steps with two drafts happened

