@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from engine.kv_cache import KVCache
 from engine.models import build_model, load_state_dict, resolve_model
 from engine.models.linear import onednn_available, pack_linears
+from engine.models.skinny import skinny_kernel_available
 
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "llama-1.7b": "random:llama-1.7b"}
 CONTEXT = 128  # tokens already in the cache when the timed step runs
@@ -27,44 +28,51 @@ CONTEXT = 128  # tokens already in the cache when the timed step runs
 
 def timed(fn, iters: int) -> float:
     """Median milliseconds of fn() over iters runs, after two warm-up runs."""
-    for _ in range(2):
-        fn()
-    times = []
+    return timed_together([fn], iters)[0]
+
+
+def timed_together(fns, iters: int) -> list[float]:
+    """Median milliseconds of each of fns, run in turn iters times: the machine is shared, and
+    interleaving lets the 1-token and 5-token steps see the same noise."""
+    for fn in fns:
+        fn(), fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(ts) for ts in times]
 
 
 def matvec_bandwidth(iters: int) -> float:
-    """Bytes/s of the fastest float32 matrix-vector product here (MKL or oneDNN-packed) over a
-    512 MB matrix, far larger than any cache."""
+    """Bytes/s of the fastest float32 matrix-vector product here (MKL, oneDNN-packed or our
+    kernel) over a 512 MB matrix, far larger than any cache."""
     w = torch.randn(65536, 2048)
     x = torch.randn(1, 2048)
     best = timed(lambda: F.linear(x, w), iters)
     if onednn_available():
         packed = w.to_mkldnn()
         best = min(best, timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), iters))
+    if skinny_kernel_available():
+        best = min(best, timed(lambda: torch.ops.tandem.skinny_linear(x, w, None), iters))
     return w.numel() * 4 / (best / 1e3)
 
 
 @torch.inference_mode()
-def bench_ours(config, state, iters: int, dtype: torch.dtype) -> dict[str, float]:
+def bench_ours(config, state, iters: int, dtype: torch.dtype, skinny: bool) -> dict[str, float]:
     model = build_model(config, state, dtype=dtype)
     model.fuse_projections()
-    pack_linears(model)  # float32 only; bfloat16 runs F.linear (oneDNN inside)
+    pack_linears(model, skinny=skinny)  # float32 only; bfloat16 runs F.linear (oneDNN inside)
     a = model.args
     cache = KVCache(a.num_layers, 1, CONTEXT + 8, a.num_kv_heads, a.head_dim, dtype)
     slots = torch.tensor([0])
     prompt = torch.randint(0, a.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
     model(prompt, torch.arange(CONTEXT)[None], cache, slots)
-    out = {}
-    for n in (1, 5):
-        ids = prompt[:, :n]
-        pos = torch.arange(CONTEXT, CONTEXT + n)[None]
-        out[f"ours_{n}"] = timed(lambda: model(ids, pos, cache, slots), iters)
-    return out
+    steps = [lambda n=n: model(prompt[:, :n], torch.arange(CONTEXT, CONTEXT + n)[None], cache, slots)
+             for n in (1, 5)]
+    one, five = timed_together(steps, iters)
+    return {"ours_1": one, "ours_5": five}
 
 
 @torch.inference_mode()
@@ -83,16 +91,12 @@ def bench_hf(config, state, iters: int, dtype: torch.dtype) -> dict[str, float]:
     prompt = torch.randint(0, config.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=config)
     hf(prompt, past_key_values=cache, use_cache=True)
-    out = {}
-    for n in (1, 5):
-        ids = prompt[:, :n]
+    def step(n: int) -> None:
+        hf(prompt[:, :n], past_key_values=cache, use_cache=True)
+        cache.crop(-n)  # drop the n tokens just added
 
-        def step():
-            hf(ids, past_key_values=cache, use_cache=True)
-            cache.crop(-n)  # drop the n tokens just added
-
-        out[f"hf_{n}"] = timed(step, iters)
-    return out
+    one, five = timed_together([lambda: step(1), lambda: step(5)], iters)
+    return {"hf_1": one, "hf_5": five}
 
 
 def main() -> None:
@@ -105,6 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    skinny = skinny_kernel_available()
     bandwidth = matvec_bandwidth(args.iters)
     rows = []
     for key in args.models:
@@ -114,7 +119,10 @@ def main() -> None:
             weight_bytes = sum(t.numel() * dtype.itemsize for t in state.values())
             row = {"model": key, "dtype": dtype_name, "weight_mb": weight_bytes / 1e6,
                    "floor_ms": weight_bytes / bandwidth * 1e3}
-            row.update(bench_ours(config, state, args.iters, dtype))
+            row.update(bench_ours(config, state, args.iters, dtype, skinny=skinny))
+            if dtype == torch.float32 and skinny:  # the oneDNN-only path, for comparison
+                row.update({k.replace("ours", "onednn"): v for k, v in
+                            bench_ours(config, state, args.iters, dtype, skinny=False).items()})
             row.update(bench_hf(config, state, args.iters, dtype))
             row["ours_5_over_1"] = row["ours_5"] / row["ours_1"]
             row["hf_5_over_1"] = row["hf_5"] / row["hf_1"]
@@ -130,6 +138,9 @@ def main() -> None:
         print(f"{r['model']:<11}{r['dtype']:<9}{r['floor_ms']:>7.1f} {r['ours_1']:>8.1f} {r['ours_5']:>8.1f} "
               f"{r['ours_5_over_1']:>5.2f} {r['hf_1']:>8.1f} {r['hf_5']:>8.1f} {r['hf_5_over_1']:>5.2f} "
               f"{r['hf_1_over_ours_1']:>8.2f}x")
+        if "onednn_1" in r:
+            print(f"{'  (oneDNN only)':<28}{r['onednn_1']:>8.1f} {r['onednn_5']:>8.1f} "
+                  f"{r['onednn_5'] / r['onednn_1']:>5.2f}")
     print("(milliseconds per forward at batch 1; floor = weight bytes / float32 matrix-vector bandwidth)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"bandwidth_gb_s": bandwidth / 1e9, "context": CONTEXT,

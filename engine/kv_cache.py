@@ -29,4 +29,13 @@ class KVCache:
         # advanced indices around a slice: the indexed view is [B, T, Hkv, D]
         kc[rows, :, positions] = k.transpose(1, 2)
         vc[rows, :, positions] = v.transpose(1, 2)
+        first = consecutive_start(slots)
+        if first is not None:  # a view, not a copy of every key of the batch
+            return kc[first:first + len(slots), :, :key_len], vc[first:first + len(slots), :, :key_len]
         return kc[slots, :, :key_len], vc[slots, :, :key_len]
+
+
+def consecutive_start(slots: Tensor) -> int | None:
+    """The first slot when `slots` are first, first+1, ...; else None."""
+    ids = slots.tolist()
+    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None

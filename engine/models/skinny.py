@@ -1,0 +1,59 @@
+"""Our float32 small-M linear kernel (csrc/skinny_linear.cpp), compiled on first use.
+
+Compiled for the machine it runs on (-march=native) into ~/.cache/tandem/kernels, once per source
+version; later processes (Ray actors included) load the built library in milliseconds. Where it
+cannot be built (no AVX-512, no compiler) or TANDEM_SKINNY_KERNEL=0, callers fall back to oneDNN.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
+MAX_ROWS = 16  # beyond this oneDNN's blocked GEMM is as fast or faster (benchmarks/decode_step.py)
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f " in flags or " avx512f\n" in flags
+
+
+@functools.lru_cache(maxsize=None)
+def skinny_kernel_available() -> bool:
+    """Build (first time only) and load the kernel; False with a logged reason if it can't be."""
+    if os.environ.get("TANDEM_SKINNY_KERNEL", "1") == "0":
+        return False
+    if not _cpu_has_avx512():
+        logger.info("skinny linear kernel: CPU has no AVX-512; using oneDNN for every linear")
+        return False
+    from torch.utils import cpp_extension
+
+    version = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    name = f"tandem_skinny_{version}"
+    build_dir = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # cpp_extension runs `ninja` from PATH; the pip-installed one sits beside this interpreter,
+    # which is not on PATH when the venv is used without activating it.
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+    try:
+        # cpp_extension holds a file lock while building, so concurrent actors build it once.
+        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False)
+    except Exception as exc:  # no compiler, no ninja, a broken toolchain: oneDNN still works
+        logger.warning("skinny linear kernel could not be built (%s); using oneDNN for every linear", exc)
+        return False
+    finally:
+        os.environ["PATH"] = path
+    return True
