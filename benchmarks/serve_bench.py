@@ -1,5 +1,5 @@
 """Serving benchmark, like `vllm bench serve`: N streamed requests at concurrency C over HTTP,
-then the same prompts through the in-process engine, in one run.
+and the same prompts through an in-process engine, in alternating batches of one run.
 
     .venv/bin/python benchmarks/serve_bench.py [--num-requests 8] [--concurrency 1 4] [--max-tokens 64]
     .venv/bin/python benchmarks/serve_bench.py --url http://127.0.0.1:8000   # an already running server
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import time
@@ -74,7 +75,7 @@ async def measure(streams, concurrency: int) -> dict:
 
     start = time.perf_counter()
     records = await asyncio.gather(*(one(s) for s in streams))
-    return summarize(list(records), time.perf_counter() - start)
+    return {"records": list(records), "wall": time.perf_counter() - start}
 
 
 async def http_run(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -137,6 +138,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="HTTP and in-process batches alternate this many times per concurrency")
     args = ap.parse_args()
     app_args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
     model = app_args["model"]
@@ -145,33 +148,42 @@ def main() -> None:
     import ray
     from ray import serve
 
-    url = args.url
+    url, engine = args.url, None
     if url is None:
-        ray.init(include_dashboard=False, log_to_driver=False)
+        # Both engines live at once so their batches can alternate and see the same machine noise;
+        # each reserves one CPU per model group, hence the logical CPUs beyond the physical ones.
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(4, 2 * (os.cpu_count() or 1)))
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        from deployments.app import build_app
+        from deployments.app import build_app, parse_args
+        from engine.async_engine import AsyncEngine
 
         serve.run(build_app(app_args), name="tandem", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
+        engine = AsyncEngine(parse_args(app_args).engine_config(), use_ray=True)
+        asyncio.run(engine_run(engine, prompts[:1], 1, 8))  # warm-up
     asyncio.run(http_run(url, model, prompts[:1], 1, 8))  # warm-up
+
     results = {"http": {}, "engine": {}}
     for c in args.concurrency:
-        results["http"][c] = asyncio.run(http_run(url, model, prompts, c, args.max_tokens))
+        runs = {"http": [], "engine": []}
+        for r in range(args.rounds):
+            order = ["http", "engine"] if r % 2 == 0 else ["engine", "http"]
+            for path in order:
+                if path == "http":
+                    runs[path].append(asyncio.run(http_run(url, model, prompts, c, args.max_tokens)))
+                elif engine is not None:
+                    runs[path].append(asyncio.run(engine_run(engine, prompts, c, args.max_tokens)))
+        for path, batches in runs.items():
+            if batches:
+                results[path][c] = summarize([rec for b in batches for rec in b["records"]],
+                                             sum(b["wall"] for b in batches))
     results["acceptance"] = acceptance(url)
-    if args.url is None:
+    if engine is not None:
+        engine.shutdown()
         serve.shutdown()
 
-        from deployments.app import parse_args
-        from engine.async_engine import AsyncEngine
-
-        engine = AsyncEngine(parse_args(app_args).engine_config(), use_ray=True)
-        asyncio.run(engine_run(engine, prompts[:1], 1, 8))
-        for c in args.concurrency:
-            results["engine"][c] = asyncio.run(engine_run(engine, prompts, c, args.max_tokens))
-        engine.shutdown()
-
-    print(f"{args.num_requests} requests x {args.max_tokens} tokens, greedy; model {model}; "
+    print(f"{args.num_requests} requests x {args.max_tokens} tokens x {args.rounds} rounds, greedy; model {model}; "
           f"acceptance rate {results['acceptance']['acceptance_rate']:.2f}, "
           f"mean acceptance length {results['acceptance']['mean_acceptance_length']:.2f}")
     print(f"{'path':<8}{'C':>3}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}"
