@@ -21,9 +21,16 @@ from engine.async_engine import AsyncEngine
 log = logging.getLogger(__name__)
 
 
+# Serve runs user code on a second event loop thread by default; each streamed chunk then hops
+# threads. Our handlers never block (the engine steps in its own thread), so run them on the
+# replica's own loop: ~10 ms less TTFT over HTTP here (serve_bench.py). Serve merges these env
+# vars with an application's runtime_env.
+REPLICA_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+
+
 @serve.deployment(
     # the model groups reserve their own CPUs/GPUs in a placement group; the coordinator needs none
-    ray_actor_options={"num_cpus": 0},
+    ray_actor_options={"num_cpus": 0, "runtime_env": REPLICA_ENV},
     # admission is the engine's job (max_num_seqs, max_queued_requests -> 429), not Serve's queue
     max_ongoing_requests=1024,
     health_check_period_s=10,
