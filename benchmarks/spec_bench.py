@@ -12,7 +12,8 @@ E = (1 - a^(K+1)) / (1 - a). Pairs:
 Writes benchmarks/results/spec_bench.json and spec_bench.png.
 
 One engine per pair is built once; between configurations only the speculative config changes
-(building a random 1.7B model takes longer than a whole configuration's run).
+(building a random 1.7B model takes longer than a whole configuration's run). Each configuration
+takes turns with plain decoding prompt by prompt, so every speedup is a ratio of one stretch of time.
 """
 from __future__ import annotations
 
@@ -37,26 +38,45 @@ PAIRS = {
 }
 
 
-def use_spec(core: EngineCore, spec: SpeculativeConfig | None) -> None:
-    """Point a built engine at another speculative config (same draft model)."""
-    sched = core.scheduler
-    sched.spec = spec
-    sched.costs = CostModel(spec.num_speculative_tokens) if spec else None
-    sched.stats = type(sched.stats)()
-    sched.acceptance = type(sched.acceptance)(decay=sched.acceptance.decay)
-    core.executor.target.verifier = Verifier(core.executor.target.worker, spec)
+class SpecState:
+    """What the scheduler keeps per speculative config (stats, cost model, acceptance prior, the
+    verifier), so configs can take turns on one engine without resetting each other."""
+
+    def __init__(self, core: EngineCore, spec: SpeculativeConfig | None):
+        self.spec = spec
+        self.costs = CostModel(spec.num_speculative_tokens) if spec else None
+        self.stats = type(core.scheduler.stats)()
+        self.acceptance = type(core.scheduler.acceptance)(decay=core.scheduler.acceptance.decay)
+        self.verifier = Verifier(core.executor.target.worker, spec)
+
+    def activate(self, core: EngineCore) -> None:
+        sched = core.scheduler
+        sched.spec, sched.costs, sched.stats, sched.acceptance = self.spec, self.costs, self.stats, self.acceptance
+        core.executor.target.verifier = self.verifier
 
 
-def run(core: EngineCore, params: SamplingParams, prompts: list[str]) -> float:
-    """Output tokens/s, one request at a time (the latency-bound case speculation is for)."""
+def generate(core: EngineCore, params: SamplingParams, prompt: str) -> tuple[int, float]:
+    """One request alone (the latency-bound case speculation is for): (output tokens, seconds)."""
     sched = core.scheduler
-    produced, start = 0, time.perf_counter()
+    start = time.perf_counter()
+    seq = sched.add(f"bench-{time.monotonic_ns()}", prompt, core.tokenizer.encode(prompt), params)
+    while not seq.finished:
+        sched.step()
+    return len(seq.output_ids), time.perf_counter() - start
+
+
+def run_against_plain(core: EngineCore, spec: SpecState, plain: SpecState, params: SamplingParams,
+                      prompts: list[str]) -> tuple[float, float]:
+    """(speculative tok/s, plain tok/s), the two taking turns prompt by prompt (alternating which
+    goes first) so both see the same machine noise."""
+    totals = {id(spec): [0, 0.0], id(plain): [0, 0.0]}
     for i, prompt in enumerate(prompts):
-        seq = sched.add(f"bench-{time.monotonic_ns()}-{i}", prompt, core.tokenizer.encode(prompt), params)
-        while not seq.finished:
-            sched.step()
-        produced += len(seq.output_ids)
-    return produced / (time.perf_counter() - start)
+        for state in (spec, plain) if i % 2 == 0 else (plain, spec):
+            state.activate(core)
+            tokens, seconds = generate(core, params, prompt)
+            totals[id(state)][0] += tokens
+            totals[id(state)][1] += seconds
+    return tuple(n / t for n, t in (totals[id(spec)], totals[id(plain)]))
 
 
 def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens: int) -> list[dict]:
@@ -66,9 +86,9 @@ def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens:
                                    speculative_config=SpeculativeConfig.model_validate(base)), use_ray=False)
     temperature = 0.0 if name == "real" else 1.0
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
-    use_spec(core, None)
-    run(core, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True), PROMPTS[:1])  # warm-up
-    plain = run(core, params, PROMPTS)
+    plain = SpecState(core, None)
+    plain.activate(core)
+    generate(core, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True), PROMPTS[0])  # warm-up
     rows = []
     for alpha in alphas:
         for k in [*ks, "adaptive"]:
@@ -77,12 +97,11 @@ def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens:
             if alpha is not None:
                 cfg.update(rejection_sample_method="synthetic",
                            synthetic_acceptance_rates=[alpha] * cfg["num_speculative_tokens"])
-            spec = SpeculativeConfig.model_validate(cfg)
-            use_spec(core, spec)
-            tps = run(core, params, PROMPTS)
-            stats = core.scheduler.stats
-            row = {"pair": name, "alpha_config": alpha, "k": k, "tok_s": tps, "plain_tok_s": plain,
-                   "speedup": tps / plain, "acceptance_rate": stats.acceptance_rate,
+            state = SpecState(core, SpeculativeConfig.model_validate(cfg))
+            tps, plain_tps = run_against_plain(core, state, plain, params, PROMPTS)
+            stats = state.stats
+            row = {"pair": name, "alpha_config": alpha, "k": k, "tok_s": tps, "plain_tok_s": plain_tps,
+                   "speedup": tps / plain_tps, "acceptance_rate": stats.acceptance_rate,
                    "mean_acceptance_length": stats.mean_acceptance_length,
                    "per_position": stats.per_position_rates(), "mean_k": stats.num_draft_tokens / max(1, stats.num_drafts)}
             if k != "adaptive":

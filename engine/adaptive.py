@@ -19,11 +19,13 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def choose_k(alpha: float, draft_cost: float, verify_cost: list[float], k_max: int) -> int:
-    """Best K in [0, k_max]; draft_cost = c, verify_cost[k] = v(k) (v(0) = 1)."""
-    best_k, best_rate = 0, 1.0
+def choose_k(alpha: float, draft_cost: float, verify_cost: list[float], k_max: int,
+             step_overhead: float = 0.0) -> int:
+    """Best K in [0, k_max]; draft_cost = c, verify_cost[k] = v(k) (v(0) = 1), step_overhead = what
+    a step costs beyond its forwards (sampling, bookkeeping, transfers), all in target steps."""
+    best_k, best_rate = 0, 1.0 / (1.0 + step_overhead)
     for k in range(1, k_max + 1):
-        rate = expected_tokens(alpha, k) / (k * draft_cost + verify_cost[k])
+        rate = expected_tokens(alpha, k) / (k * draft_cost + verify_cost[k] + step_overhead)
         if rate > best_rate * 1.02:  # a 2% margin keeps noise from flipping to speculation
             best_k, best_rate = k, rate
     return best_k
@@ -38,15 +40,26 @@ class CostModel:
     window: int = 8
     draft_s: deque = field(default_factory=deque)  # one draft forward (batched)
     verify_s: list[deque] = field(default_factory=list)  # index k: a verify of k+1 tokens per row
+    overhead_s: deque = field(default_factory=deque)  # a step's wall time beyond its two forwards
 
     def __post_init__(self):
         self.draft_s = deque(maxlen=self.window)
         self.verify_s = [deque(maxlen=self.window) for _ in range(self.k_max + 1)]
+        self.overhead_s = deque(maxlen=self.window)
 
-    def observe(self, num_drafts: int, propose_s: float, verify_s: float) -> None:
+    def observe(self, num_drafts: int, propose_s: float, verify_s: float, step_s: float | None = None) -> None:
         if num_drafts > 0 and propose_s > 0:
             self.draft_s.append(propose_s / num_drafts)
         self.verify_s[num_drafts].append(verify_s)
+        if step_s is not None:
+            self.overhead_s.append(max(0.0, step_s - propose_s - verify_s))
+
+    def step_overhead(self) -> float:
+        """The per-step cost outside the forwards, in plain target steps (0 until measured). It is
+        paid once per step whatever K is, so ignoring it undervalues longer drafts."""
+        if not self.overhead_s or not self.verify_s[0]:
+            return 0.0
+        return median(self.overhead_s) / median(self.verify_s[0])
 
     def ratios(self) -> tuple[float, list[float]] | None:
         """(c, [v(0)..v(k_max)]) once a plain step and a draft step have been measured."""
@@ -75,11 +88,17 @@ class CostModel:
 
 @dataclass
 class AcceptanceEstimate:
-    """Per request: acceptance per draft token, a decayed Beta(1, 1) posterior mean."""
+    """Per request: the probability a draft token is accepted given the ones before it were (the a
+    of E(K)), a decayed Beta(1, 1) posterior mean.
+
+    Each accepted draft is a success and the first rejected one a failure; drafts after a
+    rejection were never tested. (Accepted / drafted would understate a: at a = 0.9 and K = 5 it
+    is 0.74, and the policy would pick too small a K.)
+    """
 
     decay: float = 0.9
     accepted: float = 1.0
-    drafted: float = 2.0
+    trials: float = 2.0
     steps_without_drafts: int = 0
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
@@ -87,16 +106,17 @@ class AcceptanceEstimate:
             self.steps_without_drafts += 1
             return
         self.steps_without_drafts = 0
+        rejected = 1 if num_accepted < num_drafts else 0
         self.accepted = self.decay * self.accepted + num_accepted
-        self.drafted = self.decay * self.drafted + num_drafts
+        self.trials = self.decay * self.trials + num_accepted + rejected
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.drafted
+        return self.accepted / self.trials
 
     def prior(self, weight: float = 4.0) -> "AcceptanceEstimate":
-        """A new request's starting estimate: this one's acceptance, worth `weight` drafts."""
-        return AcceptanceEstimate(accepted=weight * self.alpha, drafted=weight)
+        """A new request's starting estimate: this one's acceptance, worth `weight` trials."""
+        return AcceptanceEstimate(accepted=weight * self.alpha, trials=weight)
 
 
 # After this many plain steps a request drafts one token again, so a wrong estimate can recover.
@@ -110,4 +130,4 @@ def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> in
     if estimate.steps_without_drafts >= PROBE_EVERY:
         return 1
     c, v = ratios
-    return choose_k(estimate.alpha, c, v, k_max)
+    return choose_k(estimate.alpha, c, v, k_max, costs.step_overhead())

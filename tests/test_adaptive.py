@@ -64,3 +64,37 @@ def test_adaptive_respects_the_maximum():
     stats = out.spec_decode_stats
     assert len(stats.num_accepted_tokens_per_pos) == 2  # the maximum was used, never a third draft
     assert stats.num_draft_tokens > stats.num_drafts  # steps with two drafts happened
+
+
+def test_acceptance_estimate_recovers_the_per_position_rate():
+    """With conditional acceptance a per position, the estimate must find a, not accepted/drafted
+    (which at a = 0.9, K = 5 is ~0.74 and would make the policy pick too small a K)."""
+    import random
+
+    rng = random.Random(0)
+    estimate = AcceptanceEstimate(decay=1.0)
+    drafted = accepted_total = 0
+    for _ in range(2000):
+        accepted = 0
+        while accepted < 5 and rng.random() < 0.9:
+            accepted += 1
+        estimate.observe(5, accepted)
+        drafted, accepted_total = drafted + 5, accepted_total + accepted
+    assert abs(estimate.alpha - 0.9) < 0.02, estimate.alpha
+    assert accepted_total / drafted < 0.8  # the naive ratio, for contrast
+
+
+def test_per_step_overhead_favours_longer_drafts():
+    cheap = [1.0 + 0.05 * k for k in range(6)]
+    assert choose_k(0.0, 0.05, cheap, 5, step_overhead=1.0) == 0  # still nothing to gain
+    without = choose_k(0.5, 0.15, cheap, 5)
+    with_overhead = choose_k(0.5, 0.15, cheap, 5, step_overhead=1.0)
+    assert with_overhead > without
+
+
+def test_cost_model_measures_step_overhead():
+    costs = CostModel(k_max=2)
+    assert costs.step_overhead() == 0.0
+    costs.observe(0, 0.0, 0.100, step_s=0.120)
+    costs.observe(2, 0.020, 0.110, step_s=0.150)
+    assert abs(costs.step_overhead() - 0.2) < 1e-9  # median of 20 ms and 20 ms over a 100 ms step
