@@ -1,7 +1,8 @@
 """Our float32 small-M linear kernel (csrc/skinny_linear.cpp), compiled on first use.
 
-Compiled for the machine it runs on (-march=native) into ~/.cache/tandem/kernels, once per source
-version; later processes (Ray actors included) load the built library in milliseconds. Where it
+Compiled for any AVX-512 CPU (not -march=native, so a cache or image built on one machine runs on
+another) into ~/.cache/tandem/kernels, once per source version; later processes (Ray actors
+included) load the built library in about a second. Where it
 cannot be built (no AVX-512, no compiler) or TANDEM_SKINNY_KERNEL=0, callers fall back to oneDNN.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
+CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
 MAX_ROWS = 16  # beyond this oneDNN's blocked GEMM is as fast or faster (benchmarks/decode_step.py)
 
 
@@ -39,7 +41,7 @@ def skinny_kernel_available() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    version = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    version = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     name = f"tandem_skinny_{version}"
     build_dir = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -50,7 +52,7 @@ def skinny_kernel_available() -> bool:
     try:
         # cpp_extension holds a file lock while building, so concurrent actors build it once.
         cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False)
+                           extra_cflags=CFLAGS, is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: oneDNN still works
         logger.warning("skinny linear kernel could not be built (%s); using oneDNN for every linear", exc)
         return False
