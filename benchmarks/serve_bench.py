@@ -112,6 +112,16 @@ async def engine_run(engine, prompts: list[str], concurrency: int, max_tokens: i
     return await measure([stream(p) for p in prompts], concurrency)
 
 
+def paired(http_batches: list[dict], engine_batches: list[dict]) -> dict:
+    """The same prompt in the same round through both paths: median of the per-request TTFT
+    differences and TPOT ratios (records come back in prompt order), less noisy than comparing
+    the two paths' own medians."""
+    pairs = [(h, e) for hb, eb in zip(http_batches, engine_batches) for h, e in zip(hb["records"], eb["records"])]
+    tpot = lambda r: (r["e2e"] - r["ttft"]) / max(1, r["tokens"] - 1)  # noqa: E731
+    return {"ttft_overhead_ms": statistics.median((h["ttft"] - e["ttft"]) * 1e3 for h, e in pairs),
+            "tpot_ratio": statistics.median(tpot(h) / tpot(e) for h, e in pairs)}
+
+
 def acceptance(url: str) -> dict:
     values = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
@@ -178,6 +188,8 @@ def main() -> None:
             if batches:
                 results[path][c] = summarize([rec for b in batches for rec in b["records"]],
                                              sum(b["wall"] for b in batches))
+        if runs["engine"]:
+            results.setdefault("paired", {})[c] = paired(runs["http"], runs["engine"])
     results["acceptance"] = acceptance(url)
     if engine is not None:
         engine.shutdown()
@@ -189,7 +201,7 @@ def main() -> None:
     print(f"{'path':<8}{'C':>3}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}"
           f"{'req/s':>7}{'tok/s':>7}")
     for path, by_c in results.items():
-        if path == "acceptance":
+        if path in ("acceptance", "paired"):
             continue
         for c, r in by_c.items():
             print(f"{path:<8}{c:>3}{r['ttft_ms']['p50']:>10.1f}{r['ttft_ms']['p99']:>10.1f}{r['tpot_ms']['p50']:>10.1f}"
@@ -197,8 +209,10 @@ def main() -> None:
                   f"{r['output_throughput']:>7.1f}")
     if results["engine"]:
         h, e = results["http"][args.concurrency[0]], results["engine"][args.concurrency[0]]
+        p = results["paired"][args.concurrency[0]]
         print(f"at concurrency {args.concurrency[0]}: TPOT http/in-process {h['tpot_ms']['p50'] / e['tpot_ms']['p50']:.2f}x, "
-              f"TTFT overhead p50 {h['ttft_ms']['p50'] - e['ttft_ms']['p50']:+.1f} ms")
+              f"TTFT overhead p50 {h['ttft_ms']['p50'] - e['ttft_ms']['p50']:+.1f} ms; paired by request: "
+              f"TPOT {p['tpot_ratio']:.2f}x, TTFT {p['ttft_overhead_ms']:+.1f} ms (medians)")
     out = ROOT / "benchmarks" / "results" / "serve_bench.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str))
