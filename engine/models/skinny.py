@@ -1,7 +1,7 @@
 """Our float32 small-M linear kernel (csrc/skinny_linear.cpp), compiled on first use.
 
 Compiled for any AVX-512 CPU (not -march=native, so a cache or image built on one machine runs on
-another) into ~/.cache/tandem/kernels, once per source version; later processes (Ray actors
+another) into ~/.cache/tandem/kernels ($TANDEM_CACHE_DIR/kernels), once per source version; later processes (Ray actors
 included) load the built library in about a second. Where it
 cannot be built (no AVX-512, no compiler) or TANDEM_SKINNY_KERNEL=0, callers fall back to oneDNN.
 """
@@ -41,9 +41,11 @@ def skinny_kernel_available() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    from engine.models.loading import cache_dir  # here: loading imports the model, which imports us
+
     version = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     name = f"tandem_skinny_{version}"
-    build_dir = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "kernels" / name
+    build_dir = cache_dir() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     # cpp_extension runs `ninja` from PATH; the pip-installed one sits beside this interpreter,
     # which is not on PATH when the venv is used without activating it.
