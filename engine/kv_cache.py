@@ -21,21 +21,20 @@ class KVCache:
         self.num_slots, self.max_len = num_slots, max_len
 
     def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor,
-               key_len: int) -> tuple[Tensor, Tensor]:
+               key_len: int, read: slice | Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, D] at positions [B, T] of `slots` [B]; return the keys and values
-        [B, Hkv, key_len, D] of those slots."""
+        [B, Hkv, key_len, D] of those slots. `read`: `slot_rows(slots)`, computed once per forward."""
         kc, vc = self.k[layer], self.v[layer]
         rows = slots[:, None]
         # advanced indices around a slice: the indexed view is [B, T, Hkv, D]
         kc[rows, :, positions] = k.transpose(1, 2)
         vc[rows, :, positions] = v.transpose(1, 2)
-        first = consecutive_start(slots)
-        if first is not None:  # a view, not a copy of every key of the batch
-            return kc[first:first + len(slots), :, :key_len], vc[first:first + len(slots), :, :key_len]
-        return kc[slots, :, :key_len], vc[slots, :, :key_len]
+        read = slot_rows(slots) if read is None else read
+        return kc[read, :, :key_len], vc[read, :, :key_len]
 
 
-def consecutive_start(slots: Tensor) -> int | None:
-    """The first slot when `slots` are first, first+1, ...; else None."""
+def slot_rows(slots: Tensor) -> slice | Tensor:
+    """How to index the cache for `slots`: a slice (a view, no copy of every key) when they are
+    consecutive, else the index tensor."""
     ids = slots.tolist()
-    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+    return slice(ids[0], ids[0] + len(ids)) if ids == list(range(ids[0], ids[0] + len(ids))) else slots

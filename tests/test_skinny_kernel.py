@@ -33,11 +33,12 @@ def test_a_row_does_not_depend_on_the_other_rows():
     for m in range(1, MAX_ROWS + 1):
         part = torch.ops.tandem.skinny_linear(x[:m].contiguous(), w, None)
         assert torch.equal(part, full[:m]), f"rows 0..{m - 1} differ when computed {m} at a time"
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert torch.equal(torch.ops.tandem.skinny_linear(x, w, None), full), "depends on the thread count"
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
 
 
 def test_bad_shapes_are_refused():
@@ -57,3 +58,36 @@ def test_linear_uses_both_kernels_and_they_agree():
         ref = x.double() @ layer.weight.double().T + layer.bias.double()
         rel = ((linear(x, layer).double() - ref).abs().max() / ref.abs().max()).item()
         assert rel < 1e-5
+
+
+def test_without_the_kernel_a_tied_lm_head_runs_on_onednn():
+    """TANDEM_SKINNY_KERNEL=0 (or no AVX-512, no compiler): every linear, including an LM head that
+    keeps its dense weight because the embedding shares it, must run on oneDNN."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from engine.models.linear import linear, pack_linears
+        from engine.models.skinny import skinny_kernel_available
+        assert not skinny_kernel_available()
+        try:
+            torch.ops.tandem.skinny_linear
+            raise SystemExit("the kernel is registered: this test would not exercise the fallback")
+        except (AttributeError, RuntimeError):
+            pass
+        model = nn.Module()
+        model.embed = nn.Embedding(50, 16)
+        model.lm_head = nn.Linear(16, 50, bias=False)
+        model.lm_head.weight = model.embed.weight
+        assert pack_linears(model) == 1
+        x = torch.randn(3, 16)
+        out = linear(x, model.lm_head)
+        assert torch.allclose(out, x @ model.embed.weight.T, atol=1e-5), "wrong result"
+        print("ok")
+    """)
+    env = {**__import__("os").environ, "TANDEM_SKINNY_KERNEL": "0"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

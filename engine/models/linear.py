@@ -26,7 +26,7 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     if packed is None:
         return F.linear(x, layer.weight, layer.bias)
     flat = x.reshape(-1, x.shape[-1])
-    if layer.weight.numel() and flat.shape[0] <= MAX_ROWS:
+    if layer.skinny and flat.shape[0] <= MAX_ROWS:
         out = torch.ops.tandem.skinny_linear(flat.contiguous(), layer.weight, layer.bias)
     else:
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, layer.bias, "none", [], "")
@@ -51,6 +51,7 @@ def pack_linears(model: nn.Module, skinny: bool | None = None) -> int:
         if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" \
                 and module.weight.dtype == torch.float32:
             module.packed_weight = module.weight.detach().to_mkldnn()
+            module.skinny = skinny
             if skinny:
                 module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
             elif id(module.weight) not in shared:

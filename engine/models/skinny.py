@@ -1,8 +1,8 @@
 """Our float32 small-M linear kernel (csrc/skinny_linear.cpp), compiled on first use.
 
 Compiled for any AVX-512 CPU (not -march=native, so a cache or image built on one machine runs on
-another) into ~/.cache/tandem/kernels ($TANDEM_CACHE_DIR/kernels), once per source version; later processes (Ray actors
-included) load the built library in about a second. Where it
+another) into $TANDEM_CACHE_DIR/kernels (default ~/.cache/tandem/kernels), once per source and
+flags; later processes (Ray actors included) load the built library in about a second. Where it
 cannot be built (no AVX-512, no compiler) or TANDEM_SKINNY_KERNEL=0, callers fall back to oneDNN.
 """
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.kv_cache import slot_rows
 from engine.models.linear import linear
 
 
@@ -164,7 +165,7 @@ class Attention(nn.Module):
         cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        keys, values = ctx.cache.update(self.layer, ctx.slots, ctx.positions, k, v, ctx.key_len)
+        keys, values = ctx.cache.update(self.layer, ctx.slots, ctx.positions, k, v, ctx.key_len, ctx.read_slots)
         mask = ctx.global_mask if self.window is None else ctx.window_mask(self.window)
         out = attention(q, keys, values, mask, self.scale)  # [B, H, T, D]
         out = linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
@@ -190,7 +191,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
                                               enable_gqa=H != Hkv)
     G = H // Hkv
     scores = torch.matmul(q.reshape(B, Hkv, G * T, D), keys.transpose(-1, -2)).view(B, Hkv, G, T, S)
-    scores = scores.mul_(scale).masked_fill_(~mask[:, :, None], float("-inf"))
+    scores = torch.where(mask[:, :, None], scores.mul_(scale), float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(B, Hkv, G * T, S)
     return torch.matmul(probs, values).view(B, H, T, D)
 
@@ -266,6 +267,7 @@ class ForwardContext:
 
     def __init__(self, args: ModelArgs, cache, slots: Tensor, positions: Tensor, dtype: torch.dtype):
         self.cache, self.slots, self.positions = cache, slots, positions  # slots [B], positions [B, T]
+        self.read_slots = slot_rows(slots)
         self.layer_rope = args.layer_rope
         self.key_len = int(positions.max()) + 1
         key_pos = torch.arange(self.key_len, device=positions.device)
