@@ -1,9 +1,10 @@
-"""The engine as the serving layer sees it: add_request() yields deltas as tokens arrive; abort().
+"""The engine as the serving layer sees it: add_request() returns a RequestStream of deltas.
 
 One thread runs the step loop (model calls block); each request has an asyncio.Queue that the
 loop feeds through the event loop's thread-safe door. Streaming convention: every delta carries
-the tokens and text new since the previous one; the last has finish_reason set (and `error` when
-the request failed: a dead worker, an invalid request).
+the tokens and text new since the previous one; the last has finish_reason set (and `error`, a
+message safe to show a client, when the request failed). A stream that is dropped before its end
+must be aborted: `stream.abort()` is idempotent, synchronous, and safe from any task.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from engine.config import EngineConfig, SamplingParams
 from engine.core import EngineCore
+from engine.errors import INTERNAL_ERROR
 from engine.metrics import SpecDecodeLogger, SpecDecodeStats
 from engine.scheduler import Sequence
 
@@ -39,6 +41,31 @@ class RequestDelta:
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than max_queued_requests allows."""
+
+
+class RequestStream:
+    """The deltas of one request, in order; the last has finish_reason set."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, queue: asyncio.Queue):
+        self.request_id = request_id
+        self._engine, self._queue, self._done = engine, queue, False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self._done:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        if delta.finish_reason is not None:
+            self._done = True
+        return delta
+
+    def abort(self) -> None:
+        """Stop generating for this request and free its slot (nothing happens once it has ended)."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -69,12 +96,14 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.core.scheduler.waiting) + sum(1 for p in self._pending if p[0] == "add")
 
-    async def add_request(self, prompt: Any, params: SamplingParams,
-                          request_id: str | None = None) -> AsyncIterator[RequestDelta]:
-        """Validate (ValueError on bad input), queue, then yield deltas until the request ends."""
+    def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Validate (ValueError on bad input; QueueFullError), queue, and return the request's stream.
+
+        `prompt` as EngineCore.prompt_ids takes it; a string is tokenized here, so callers on an event
+        loop pass {'prompt_token_ids': ..., 'prompt': text} tokenized off it."""
         request_id = request_id or f"req-{next(self._ids)}"
         text, ids = self.core.prompt_ids(prompt)
-        self.core.scheduler.check_prompt(ids)  # raise here, in the caller's task, not in the loop thread
+        self.core.scheduler.check_request(ids, params)  # raise here, in the caller's task, not in the loop
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
@@ -82,17 +111,7 @@ class AsyncEngine:
             self._streams[request_id] = (asyncio.get_running_loop(), queue, {"tokens": 0, "text": 0})
             self._pending.append(("add", request_id, text, ids, params))
             self._lock.notify()
-        finished = False
-        try:
-            while True:
-                delta = await queue.get()
-                yield delta
-                if delta.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            if not finished:  # the consumer went away (client disconnect): free the slot
-                self.abort(request_id)
+        return RequestStream(self, request_id, queue)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -124,6 +143,9 @@ class AsyncEngine:
                         sched.add(rid, text, ids, params)
                     except ValueError as e:
                         self._emit_error(rid, str(e))
+                    except Exception:  # noqa: BLE001 - one request's problem, never the loop's
+                        log.exception("request %s could not be queued", rid)
+                        self._emit_error(rid, "internal error while queueing this request")
                 else:
                     seq = sched.abort(item[1])
                     if seq is not None:
@@ -131,9 +153,9 @@ class AsyncEngine:
                     self._streams.pop(item[1], None)
             try:
                 seqs = sched.step()
-            except Exception as e:  # a bug must fail requests, not kill the loop that serves them
-                log.exception("engine step failed")
-                seqs = sched.fail_running(f"internal error in the engine step: {type(e).__name__}")
+            except Exception:  # a bug must fail requests, not kill the loop that serves them
+                log.exception("engine step failed; failing the running requests")
+                seqs = sched.fail_running(INTERNAL_ERROR)
             for seq in seqs:
                 self._emit(seq)
             self._spec_log.maybe_log(sched.stats, time.monotonic(), log)

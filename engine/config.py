@@ -16,6 +16,8 @@ INTERNAL_SPEC_FIELDS = (
     "draft_parallel_config", "draft_load_config",
 )
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing logits by it overflows to NaN).
+SAMPLING_EPS = 1e-5
 
 
 class SpeculativeConfig(BaseModel):
@@ -206,6 +208,11 @@ class SamplingParams(BaseModel):
             return []
         return [value] if isinstance(value, str) else value
 
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float) -> float:
+        return 0.0 if 0.0 <= value < SAMPLING_EPS else value
+
     @model_validator(mode="after")
     def _check(self) -> "SamplingParams":
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -222,6 +229,8 @@ class SamplingParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):  # the upper bound is the engine's vocabulary
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {[t for t in self.stop_token_ids if t < 0][:5]}")
         return self
 
     @property

@@ -6,6 +6,7 @@ Shared by the offline LLM (engine/llm.py) and the async engine the serving layer
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig, check_model_pair
@@ -29,6 +30,14 @@ def eos_token_ids(tokenizer, hf_config) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(value)
     return ids
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt that EngineCore.prompt_ids has already checked (the serving layer does it off the loop)."""
+
+    text: str | None
+    ids: list[int]
 
 
 class EngineCore:
@@ -66,16 +75,20 @@ class EngineCore:
         self.executor = executor_cls(config, cache_len=max_len + k + 1, target_vocab=self.vocab_size,
                                      vocab_mapping=vocab_mapping)
         self.scheduler = Scheduler(self.executor, self.tokenizer, eos_token_ids(self.tokenizer, hf_config),
-                                   config, max_len, vocab_mapping)
+                                   config, max_len, vocab_mapping, self.vocab_size)
 
     def prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) from a string or {'prompt_token_ids': [...]} / {'prompt': str}."""
+        """(text or None, token ids) from a string or {'prompt_token_ids': [...]} / {'prompt': str},
+        or a TokenizedPrompt (already checked: passed through)."""
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt.text, prompt.ids
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = list(prompt["prompt_token_ids"])
+            text = prompt.get("prompt")  # the text the ids came from, when known (TLI re-tokenizes it)
         elif isinstance(prompt, dict) and "prompt" in prompt:
             return self.prompt_ids(prompt["prompt"])
         else:
@@ -83,7 +96,7 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
-        return None, ids
+        return text if isinstance(text, str) else None, ids
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -17,6 +17,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import ExecutorError, StepError
 from engine.models.loading import resolve_model
 from engine.proposer import DraftModelProposer
 from engine.step import DraftBatch, DraftOutput, VerifyBatch, VerifyOutput
@@ -25,10 +26,6 @@ from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
 
 log = logging.getLogger(__name__)
-
-
-class ExecutorError(RuntimeError):
-    """A model group failed (a worker died or timed out); in-flight requests cannot continue."""
 
 
 class GroupRank:
@@ -110,14 +107,20 @@ class LocalExecutor:
             r.remove_request(request_id)
 
     def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None) -> None:
-        if target_tokens:
-            self.target.prefill(slot, target_tokens)
-        if self.draft is not None and draft_tokens:
-            self.draft.prefill(slot, draft_tokens)
+        try:
+            if target_tokens:
+                self.target.prefill(slot, target_tokens)
+            if self.draft is not None and draft_tokens:
+                self.draft.prefill(slot, draft_tokens)
+        except Exception as e:
+            raise StepError(f"prefill raised {type(e).__name__}") from e
 
     def step(self, verify: VerifyBatch, draft: DraftBatch | None) -> VerifyOutput:
-        drafts = self.draft.propose(draft) if draft is not None else None
-        return self.target.verify(verify, drafts)
+        try:
+            drafts = self.draft.propose(draft) if draft is not None else None
+            return self.target.verify(verify, drafts)
+        except Exception as e:
+            raise StepError(f"step raised {type(e).__name__}") from e
 
     def target_logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):
         return self.target.logits(slots, starts, tokens)
@@ -207,8 +210,8 @@ class RayExecutor:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                 ray.exceptions.ActorUnavailableError) as e:
             raise ExecutorError(f"model worker failed: {type(e).__name__}: {e}") from e
-        except ray.exceptions.RayTaskError as e:
-            raise ExecutorError(f"model worker raised: {e}") from e
+        except ray.exceptions.RayTaskError as e:  # the call raised; the worker process lives on
+            raise StepError(f"model worker raised {type(e.cause).__name__ if e.cause else 'an error'}") from e
 
     def _all(self):
         return self.target + self.draft

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from engine.errors import RowError
+
 
 def mask_tokens(logits: Tensor, token_ids: list[int], rows: Tensor) -> Tensor:
     """Set logits[rows, token_ids] to -inf (used to hold back EOS/stop tokens before min_tokens)."""
@@ -47,6 +49,14 @@ def _top_p_mask(logits: Tensor, top_p: float, candidates: int = 1024) -> Tensor:
         mass_before = top_probs.cumsum(-1) - top_probs
     keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top_ids, mass_before < top_p)
     return logits.masked_fill(~keep, float("-inf"))
+
+
+def check_distribution(probs: Tensor) -> None:
+    """probs [..., V]: raise RowError unless every row is finite with positive mass."""
+    mass = probs.sum(-1)
+    if not bool(torch.isfinite(mass).all()) or bool((mass <= 0).any()):
+        raise RowError("the model produced no valid probability distribution for this request's sampling "
+                       "parameters (non-finite or all-zero probabilities)")
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> int:

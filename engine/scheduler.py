@@ -7,16 +7,21 @@ new tokens. `max_num_seqs` bounds the batch; the rest wait in arrival order.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.adaptive import AcceptanceEstimate, CostModel, adaptive_k
 from engine.config import EngineConfig, SamplingParams
-from engine.executor import ExecutorError
+from engine.errors import INTERNAL_ERROR, ExecutorError, StepError
 from engine.metrics import EngineCounters, SpecDecodeStats
 from engine.step import DraftBatch, RowSampling, VerifyBatch
 from engine.vocab_mapping import VocabMapping
+
+log = logging.getLogger(__name__)
+
+WORKER_FAILED = "the model workers failed while generating this request; retry it"
 
 
 @dataclass
@@ -49,8 +54,9 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
-                 vocab_mapping: VocabMapping | None = None):
+                 vocab_mapping: VocabMapping | None = None, vocab_size: int | None = None):
         self.executor = executor
+        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.vocab_mapping = vocab_mapping
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -65,15 +71,25 @@ class Scheduler:
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
         self._seeds = itertools.count(config.seed * 1_000_003)
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything about a request that needs the engine's limits (vLLM's messages); ValueError."""
+        n, limit = len(prompt_ids), self.max_model_len
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                             f"shorten the prompt so at least one token can be generated")
+        if n >= limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens. However, your request has "
+                             f"{n} input tokens. Please reduce the length of the input so at least one token "
+                             f"can be generated.")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. This "
+                             f"model's maximum context length is {limit} tokens and your request has {n} input "
+                             f"tokens ({params.max_tokens} > {limit} - {n}).")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        self.check_prompt(prompt_ids)
+        self.check_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else next(self._seeds)
         seq = Sequence(request_id, prompt, list(prompt_ids), params, seed,
                        acceptance=self.acceptance.prior())
@@ -97,24 +113,37 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[Sequence]:
-        """Run one round; return the sequences that got new tokens (finished ones included)."""
+        """Run one round; return the sequences that got new tokens or ended (finished ones included)."""
         start = time.perf_counter()
         try:
-            self._admit()
-            if not self.running:
-                return []
-            seqs = self._round()
+            seqs = self._admit()
+            if self.running:
+                seqs += self._round_isolating(list(self.running))
         except ExecutorError as e:
-            seqs = self.fail_running(str(e))
+            log.error("a model group failed; failing %d running requests and restarting the groups: %s",
+                      len(self.running), e)
+            seqs = self.fail_running(WORKER_FAILED)
         self.counters.step_time.observe(time.perf_counter() - start)
         for seq in seqs:
             if seq.finished:
                 self.counters.finished(seq.finish_reason)
         return seqs
 
-    def _round(self) -> list[Sequence]:
+    def _round_isolating(self, rows: list[Sequence]) -> list[Sequence]:
+        """A step that raised in a live worker is retried row by row: the row that raises alone fails
+        alone, the others go on (their caches are rewritten at the same positions)."""
+        try:
+            return self._round(rows)
+        except StepError as e:
+            if len(rows) == 1:
+                log.error("request %s failed: %s", rows[0].request_id, e, exc_info=e.__cause__)
+                self._fail(rows[0], INTERNAL_ERROR)
+                return rows
+            log.warning("a step of %d rows raised (%s); running each row alone", len(rows), e)
+            return [seq for row in rows for seq in self._round_isolating([row])]
+
+    def _round(self, rows: list[Sequence]) -> list[Sequence]:
         start = time.perf_counter()
-        rows = list(self.running)
         ks = [self._num_drafts(seq) for seq in rows]
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
@@ -135,6 +164,9 @@ class Scheduler:
             )
         result = self.executor.step(verify, draft)
         for b, seq in enumerate(rows):
+            if b in result.errors:
+                self._fail(seq, result.errors[b])
+                continue
             k = ks[b]
             new, accepted = result.tokens[b], result.num_accepted[b]
             seq.stats.observe(k, accepted)
@@ -146,12 +178,20 @@ class Scheduler:
             if k > 0:
                 # the draft cache now holds all of draft_ids (its pending tokens were fed) and drafts 1..k-1
                 seq.draft_cached = len(seq.draft_ids) + min(accepted, k - 1)
-            self._append(seq, new)
+            try:
+                self._append(seq, new)
+            except Exception as e:  # noqa: BLE001 - e.g. detokenizing; fails this request only
+                log.error("request %s failed after the step", seq.request_id, exc_info=e)
+                seq.finish_reason, seq.error = "error", INTERNAL_ERROR
             if seq.finished:
                 self._release(seq)
         if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
             self.costs.observe(max(ks), result.draft_elapsed_s, result.elapsed_s, time.perf_counter() - start)
         return rows
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        seq.finish_reason, seq.error = "error", message
+        self._release(seq)
 
     def fail_running(self, message: str) -> list[Sequence]:
         """A model group died: end every running sequence with the error, then rebuild the groups.
@@ -166,21 +206,30 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Sequence]:
+        """Prefill waiting requests into free slots; return those that failed doing so."""
+        failed = []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             self.counters.num_prompt_tokens += len(seq.prompt_ids)
             self.running.append(seq)  # from here on a failure ends it like any running sequence
-            self.executor.add_request(seq.request_id, seq.seed)
-            prefix = seq.prompt_ids[:-1]  # the last prompt token is fed by the first step
-            if self.vocab_mapping is not None:  # the draft reads the same text in its own tokens
-                seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
-            else:
-                seq.draft_ids = list(seq.prompt_ids)
-            draft_prefix = seq.draft_ids[:-1]
-            self.executor.prefill(seq.slot, prefix, draft_prefix if self.spec else None)
+            try:
+                self.executor.add_request(seq.request_id, seq.seed)
+                prefix = seq.prompt_ids[:-1]  # the last prompt token is fed by the first step
+                if self.vocab_mapping is not None:  # the draft reads the same text in its own tokens
+                    seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
+                else:
+                    seq.draft_ids = list(seq.prompt_ids)
+                draft_prefix = seq.draft_ids[:-1]
+                self.executor.prefill(seq.slot, prefix, draft_prefix if self.spec else None)
+            except (StepError, ValueError) as e:
+                log.error("request %s failed in prefill", seq.request_id, exc_info=e)
+                self._fail(seq, INTERNAL_ERROR)
+                failed.append(seq)
+                continue
             seq.target_cached, seq.draft_cached = len(prefix), len(draft_prefix)
+        return failed
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:

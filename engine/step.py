@@ -37,6 +37,7 @@ class DraftOutput:
     tokens: list[list[int]]  # [B][k_b] proposals, in the target's vocabulary
     probs: list[Tensor] | None = None  # [B] of [k_b, V_target]: draft distributions (probabilistic drafting)
     elapsed_s: float = 0.0  # the draft group's compute time for this batch
+    errors: dict[int, str] = field(default_factory=dict)  # slot -> why that row failed (its drafts are void)
 
     def for_slots(self, slots: list[int]) -> tuple[list[list[int]], list[Tensor | None]]:
         """Drafts and probs in the order of `slots` (no drafts for a slot that was not drafted)."""
@@ -59,5 +60,6 @@ class VerifyBatch:
 class VerifyOutput:
     tokens: list[list[int]]  # [B][1..k_b+1] tokens to append
     num_accepted: list[int] = field(default_factory=list)  # [B] accepted drafts
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it failed; its tokens are []
     elapsed_s: float = 0.0  # the target group's compute time (forward + rejection sampling)
     draft_elapsed_s: float = 0.0  # the draft group's, passed through (adaptive K measures both)

@@ -85,7 +85,7 @@ def test_max_model_len_stops_generation(tiny):
 
 
 @pytest.mark.parametrize("prompt, match", [("", "empty"), ({"prompt_token_ids": []}, "empty"),
-                                           ("x" * 80, "max_model_len"),
+                                           ("x" * 80, "maximum context length is 64"),
                                            ({"prompt_token_ids": [1, 999]}, "token ids")])
 def test_bad_prompts(tiny, prompt, match):
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,35 @@
+"""How failures are classified, and what a client is told about them.
+
+A row's failure (its parameters, its numbers) ends that request alone. A step that raised in a
+worker whose process is alive is retried row by row so the culprit fails alone. Only a dead or
+hung worker (ExecutorError) ends every running request and restarts the model groups. Messages
+meant for clients never carry internals; the log keeps the detail under the request id.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+INTERNAL_ERROR = "internal error while generating this request"
+
+
+class RowError(ValueError):
+    """One row's numbers make it unsampleable (its parameters, its logits): that request fails alone."""
+
+
+class ExecutorError(RuntimeError):
+    """A model group failed (a worker died or timed out); in-flight requests cannot continue."""
+
+
+class StepError(RuntimeError):
+    """A worker raised while running a step; its process is alive and its state is intact."""
+
+
+def row_error_message(error: BaseException, request_id: str, stage: str) -> str:
+    """The client's message for a failed row; logs the detail under the request id."""
+    if isinstance(error, RowError):
+        log.warning("request %s failed in %s: %s", request_id, stage, error)
+        return str(error)
+    log.error("request %s failed in %s", request_id, stage, exc_info=error)
+    return INTERNAL_ERROR
