@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from engine.config import EngineConfig, SpeculativeConfig
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 class ServeArgs(BaseModel):
@@ -25,7 +27,15 @@ class ServeArgs(BaseModel):
     seed: int = 0
     device: str = "auto"
     speculative_config: SpeculativeConfig | None = None
-    api_key: str | None = None
+    # The key: the CLI's --api-key (never from a YAML: Ray logs an application's args), an
+    # environment variable's name, or a file. Unset: $TANDEM_API_KEY when that is set, else open.
+    api_key: SecretStr | None = None
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    # gRPC is served from the coordinator on this address (bind it where HTTP binds); None: off.
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int | None = Field(default=9000, ge=0, le=65535)
+    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)  # larger bodies: 413
     max_queued_requests: int = Field(default=64, ge=0)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)  # accepted for vLLM parity
 
@@ -49,6 +59,15 @@ def parse_args(args: dict[str, Any]) -> ServeArgs:
 
 
 def build_app(args: dict[str, Any]):
+    """The import_path entry of serve_config.yaml / a RayService."""
+    if args.get("api_key") is not None:
+        raise ValueError("api_key must not be written in the application's args: Ray Serve logs them in "
+                         "plain text. Set api_key_env (an environment variable's name, e.g. TANDEM_API_KEY) "
+                         "or api_key_file instead, and rotate this key.")
+    return make_app(parse_args(dict(args)))
+
+
+def make_app(args: ServeArgs):
     from deployments.coordinator import Coordinator
 
-    return Coordinator.bind(parse_args(dict(args)))
+    return Coordinator.bind(args)

@@ -29,7 +29,13 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="accepted for vLLM compatibility (KV caches are sized by max-num-seqs x max-model-len)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 and gRPC (visible in ps: prefer "
+                        "$TANDEM_API_KEY or --api-key-file)")
+    p.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port, on --host (0: any free port)")
+    p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    p.add_argument("--max-request-bytes", type=int, default=None, help="larger request bodies get 413 (default 4 MiB)")
     return p
 
 
@@ -45,18 +51,24 @@ def refuse_removed_flags(argv: list[str]) -> None:
 def serve_args_from_cli(argv: list[str]) -> dict:
     refuse_removed_flags(argv)
     ns = serve_parser().parse_args(argv)
-    args = {k: v for k, v in vars(ns).items() if k not in ("host", "port") and v is not None}
+    args = {k: v for k, v in vars(ns).items() if k not in ("host", "port", "no_grpc") and v is not None}
+    args["grpc_host"] = ns.host  # gRPC binds where HTTP binds
+    if ns.no_grpc:
+        args["grpc_port"] = None
     return {"args": args, "host": ns.host, "port": ns.port}
 
 
 def serve_main(argv: list[str]) -> None:
     parsed = serve_args_from_cli(argv)
-    from deployments.app import build_app
+    from deployments.app import make_app, parse_args
+    from deployments.requests import resolve_api_key
 
     try:
-        app = build_app(parsed["args"])  # validates everything before Ray starts
-    except ValueError as e:
+        args = parse_args(parsed["args"])  # validates everything before Ray starts
+        resolve_api_key(args.api_key, args.api_key_env, args.api_key_file)
+    except (ValueError, OSError) as e:
         sys.exit(f"tandem serve: error: {e}")
+    app = make_app(args)
     import ray
     from ray import serve
 

@@ -1,5 +1,6 @@
 """The coordinator deployment: owns one engine (model groups as Ray actors) and serves it over HTTP
-and gRPC: both share one engine and one queue.
+(through Serve's proxy) and gRPC (its own server, on grpc_host:grpc_port): both share one engine,
+one request layer and one queue.
 
 The step loop runs in the engine's own thread; the replica's event loop only parses requests
 and streams deltas. Nothing here computes a token.
@@ -13,9 +14,10 @@ import time
 from ray import serve
 
 from deployments.app import ServeArgs
-from deployments.grpc_service import GrpcService
+from deployments.grpc_service import GrpcServer, TandemServicer
 from deployments.metrics_export import RayMetricsPusher
 from deployments.openai_api import create_app
+from deployments.requests import resolve_api_key
 from engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
@@ -39,11 +41,15 @@ REPLICA_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
 class Coordinator:
     def __init__(self, args: ServeArgs):
         self.args = args
+        self.api_key = resolve_api_key(args.api_key, args.api_key_env, args.api_key_file)
         self.engine = AsyncEngine(args.engine_config(), use_ray=True, max_queued_requests=args.max_queued_requests)
-        log.info("Tandem serving %s as %r (max_model_len %d)", args.model, args.model_name,
-                 self.engine.max_model_len)
-
-        self.grpc = GrpcService(self.engine, args)
+        self.grpc = None
+        if args.grpc_port is not None:
+            self.grpc = GrpcServer(TandemServicer(self.engine, args, self.api_key), args.grpc_host, args.grpc_port,
+                                   args.max_request_bytes)
+        log.info("Tandem serving %s as %r (max_model_len %d); gRPC %s; API key %s", args.model, args.model_name,
+                 self.engine.max_model_len, self.grpc.address if self.grpc else "off",
+                 "required" if self.api_key else "not required")
         self._metrics = RayMetricsPusher(self.engine, args.model_name)
         threading.Thread(target=self._push_metrics, name="tandem-ray-metrics", daemon=True).start()
 
@@ -56,21 +62,7 @@ class Coordinator:
             time.sleep(interval_s)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.engine, self.args)
-
-    # gRPC (proto/tandem.proto): Ray Serve's gRPC proxy calls the method named like the RPC.
-    async def Generate(self, request, grpc_context=None):  # noqa: N802 - RPC names
-        return await self.grpc.generate(request, grpc_context)
-
-    async def GenerateStream(self, request, grpc_context=None):  # noqa: N802
-        async for message in self.grpc.generate_stream(request, grpc_context):
-            yield message
-
-    def ListModels(self, request, grpc_context=None):  # noqa: N802
-        return self.grpc.list_models(request, grpc_context)
-
-    def Health(self, request, grpc_context=None):  # noqa: N802
-        return self.grpc.health(request, grpc_context)
+        return create_app(self.engine, self.args, self.api_key)
 
     def check_health(self) -> None:
         if not self.engine.alive():
@@ -78,6 +70,8 @@ class Coordinator:
 
     def __del__(self):
         try:
+            if self.grpc is not None:
+                self.grpc.stop()
             self.engine.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass

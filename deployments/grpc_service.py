@@ -1,151 +1,137 @@
-"""The gRPC operations (proto/tandem.proto) over the same AsyncEngine as the HTTP API.
+"""The gRPC service (proto/tandem.proto) over the same AsyncEngine and request layer as the HTTP API.
 
-Ray Serve's gRPC proxy calls the coordinator's method named like the RPC with the request message
-and a grpc_context; errors become status codes with a message.
+The coordinator serves it itself, from a grpc.aio server on its own thread and event loop, bound to
+`grpc_host:grpc_port` (loopback by default, like HTTP). Ray Serve's gRPC proxy always binds every
+interface and does not reliably abort a cancelled stream; here a client's cancel cancels the handler
+task, whose `finally` aborts the request.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from pydantic import ValidationError
+from pydantic import SecretStr
 
 from deployments.app import ServeArgs
-from deployments.chat import chat_prompt_ids, end_of_turn_ids
-from engine.async_engine import AsyncEngine, QueueFullError, RequestDelta
-from engine.config import SamplingParams
+from deployments.requests import PreparedRequest, RequestError, RequestLayer, collect, delta_error, key_matches
+from engine.async_engine import AsyncEngine
 from engine.metrics import SpecDecodeStats
 from tandem_proto import tandem_pb2 as pb
+from tandem_proto import tandem_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
 
-class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(code, message)  # both in args: Ray pickles exceptions across processes
-        self.code, self.message = code, message
+def request_body(request: pb.GenerateRequest) -> tuple[str, dict]:
+    """The message as the request layer's body: (kind, fields). Absent fields stay absent, so HTTP's
+    defaults apply."""
+    given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
+    if sum(given) != 1:
+        raise RequestError(400, "give exactly one of prompt, prompt_token_ids, messages")
+    body: dict = {"model": request.model}
+    if request.messages:
+        kind = "chat"
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+    else:
+        kind = "completion"
+        body["prompt"] = request.prompt or list(request.prompt_token_ids)
+    for name in OPTIONAL_FIELDS:
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    if request.min_tokens:
+        body["min_tokens"] = request.min_tokens
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.stop_token_ids:
+        body["stop_token_ids"] = list(request.stop_token_ids)
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    return kind, body
 
-    def __str__(self) -> str:
-        return self.message
 
+class TandemServicer(pb_grpc.TandemServiceServicer):
+    def __init__(self, engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None):
+        self.engine, self.args, self.api_key = engine, args, api_key
+        self.layer = RequestLayer(engine, args.model_name, args.model)
 
-class GrpcService:
-    def __init__(self, engine: AsyncEngine, args: ServeArgs):
-        self.engine, self.args = engine, args
-        self.turn_end_ids = end_of_turn_ids(engine.tokenizer)
-
-    # -- the four RPCs ----------------------------------------------------------------------------
-
-    async def generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+    async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:  # noqa: N802
+        rid = f"grpc-{uuid.uuid4().hex}"
         try:
-            prompt, params = self._parse(request, context)
-            tokens, text, last, prompt_len = [], "", None, 0
-            async for delta in self._run(prompt, params):
-                tokens += delta.token_ids
-                text += delta.text
-                prompt_len = prompt_len or len(delta.prompt_token_ids)
-                last = delta
-            return pb.GenerateResponse(text=text, token_ids=tokens, finish_reason=last.finish_reason,
-                                       usage=_usage(prompt_len, len(tokens)), spec_decode=_stats(last.stats))
+            prepared = await self._prepare(request, context, rid)
+            (stream,) = self.layer.start(prepared)
+            done = await collect(stream)
         except RequestError as e:
-            _abort(context, e)
-            return pb.GenerateResponse()
+            await _abort(context, e, rid)
+        return pb.GenerateResponse(text=done.text, token_ids=done.token_ids, finish_reason=done.last.finish_reason,
+                                   usage=_usage(prepared.prompt_tokens, len(done.token_ids)),
+                                   spec_decode=_stats(done.last.stats))
 
-    async def generate_stream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:  # noqa: N802
+        rid = f"grpc-{uuid.uuid4().hex}"
         try:
-            prompt, params = self._parse(request, context)
-            prompt_len = completion = 0
-            async for delta in self._run(prompt, params):
-                prompt_len = prompt_len or len(delta.prompt_token_ids)
+            prepared = await self._prepare(request, context, rid)
+            (stream,) = self.layer.start(prepared)
+        except RequestError as e:
+            await _abort(context, e, rid)
+        completion = 0
+        try:
+            async for delta in stream:
+                if delta.error:
+                    await _abort(context, delta_error(delta), rid)
                 completion += len(delta.token_ids)
                 msg = pb.GenerateStreamResponse(text=delta.text, token_ids=delta.token_ids,
                                                 finish_reason=delta.finish_reason or "")
                 if delta.finish_reason:
-                    msg.usage.CopyFrom(_usage(prompt_len, completion))
+                    msg.usage.CopyFrom(_usage(prepared.prompt_tokens, completion))
                     msg.spec_decode.CopyFrom(_stats(delta.stats))
                 yield msg
-        except RequestError as e:
-            # Serve's proxy applies a stream's status only when the generator raises: set the code,
-            # then raise, and the proxy keeps the code and message
-            _abort(context, e)
-            raise
+        finally:
+            stream.abort()  # a cancelled call (this task cancelled) frees its slot
 
-    def list_models(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:  # noqa: N802
+        rid = f"grpc-{uuid.uuid4().hex}"
         try:
             self._authenticate(context)
         except RequestError as e:
-            _abort(context, e)
-            return pb.ListModelsResponse()
+            await _abort(context, e, rid)
         card = pb.ModelCard(id=self.args.model_name, root=self.args.model, max_model_len=self.engine.max_model_len)
         return pb.ListModelsResponse(models=[card])
 
-    def health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:  # noqa: N802
         if not self.engine.alive():
-            _abort(context, RequestError(grpc.StatusCode.UNAVAILABLE, "engine is not running"))
-            return pb.HealthResponse(status="unavailable")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not running")
         return pb.HealthResponse(status="ok")
 
     # -- shared parts -----------------------------------------------------------------------------
 
     def _authenticate(self, context) -> None:
-        if not self.args.api_key:
+        if self.api_key is None:
             return
-        metadata = dict(context.invocation_metadata()) if context is not None else {}
-        if metadata.get("authorization") != f"Bearer {self.args.api_key}":
-            raise RequestError(grpc.StatusCode.UNAUTHENTICATED,
-                               "missing or invalid API key: send metadata ('authorization', 'Bearer <key>')")
+        presented = dict(context.invocation_metadata() or ()).get("authorization")
+        if not key_matches(presented, self.api_key):
+            raise RequestError(401, "missing or invalid API key: send metadata ('authorization', 'Bearer <key>')",
+                               "authentication_error")
 
-    def _parse(self, request: pb.GenerateRequest, context) -> tuple[object, SamplingParams]:
+    async def _prepare(self, request: pb.GenerateRequest, context, rid: str) -> PreparedRequest:
         self._authenticate(context)
-        if request.model not in (self.args.model_name, self.args.model):
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"The model '{request.model}' does not exist; "
-                                                          f"this server serves '{self.args.model_name}'")
-        given = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
-        if sum(given) != 1:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "give exactly one of prompt, prompt_token_ids, messages")
-        extra_stop: list[int] = []
-        try:
-            if request.messages:
-                ids = chat_prompt_ids(self.engine.tokenizer,
-                                      [{"role": m.role, "content": m.content} for m in request.messages])
-                prompt, extra_stop = {"prompt_token_ids": ids}, self.turn_end_ids
-            elif request.prompt_token_ids:
-                prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-            else:
-                prompt = request.prompt
-            default_max = None if request.messages else 16
-            params = SamplingParams(
-                max_tokens=request.max_tokens if request.HasField("max_tokens") else default_max,
-                temperature=request.temperature if request.HasField("temperature") else 1.0,
-                top_p=request.top_p if request.HasField("top_p") else 1.0,
-                top_k=request.top_k if request.HasField("top_k") else -1,
-                min_tokens=request.min_tokens, stop=list(request.stop),
-                stop_token_ids=list(request.stop_token_ids) + extra_stop,
-                seed=request.seed if request.HasField("seed") else None, ignore_eos=request.ignore_eos)
-        except (ValueError, ValidationError) as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e).removeprefix("Value error, ")) from None
-        return prompt, params
-
-    async def _run(self, prompt, params: SamplingParams) -> AsyncIterator[RequestDelta]:
-        stream = self.engine.add_request(prompt, params)
-        try:
-            async for delta in stream:
-                if delta.finish_reason == "rejected":
-                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, delta.error)
-                if delta.error:
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE, f"generation failed: {delta.error}")
-                yield delta
-        except QueueFullError as e:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        except ValueError as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        finally:
-            await stream.aclose()  # a cancelled call aborts its request
+        kind, body = request_body(request)
+        return await asyncio.to_thread(self.layer.prepare, kind, body, rid)
 
 
-def _abort(context, error: RequestError) -> None:
-    if context is not None:
-        context.set_code(error.code)
-        context.set_details(error.message)
+async def _abort(context, error: RequestError, request_id: str) -> None:
+    """End the call with the error's code and message (raises, as context.abort does)."""
+    (log.info if error.status < 500 else log.warning)("request %s: %d %s", request_id, error.status, error.message)
+    await context.abort(STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL),
+                        f"{error.message} (request id {request_id})")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> pb.Usage:
@@ -160,3 +146,41 @@ def _stats(stats: SpecDecodeStats | None) -> pb.SpecDecodeStats:
                               num_accepted_tokens=stats.num_accepted_tokens,
                               mean_acceptance_length=stats.mean_acceptance_length,
                               num_accepted_tokens_per_pos=stats.num_accepted_tokens_per_pos)
+
+
+class GrpcServer:
+    """A grpc.aio server on its own thread and event loop, so gRPC and HTTP never wait on each other."""
+
+    def __init__(self, servicer: TandemServicer, host: str, port: int, max_message_bytes: int):
+        self.address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        self._servicer, self._max_bytes = servicer, max_message_bytes
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._server = None
+        self.port = 0
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._serve(),),
+                                        name="tandem-grpc", daemon=True)
+        self._thread.start()
+        self._ready.wait(60)
+        if self._error is not None:
+            raise RuntimeError(f"could not serve gRPC on {self.address}: {self._error}") from None
+
+    async def _serve(self) -> None:
+        try:
+            # so_reuseport off: a port already taken (another server) is an error, not a shared port
+            self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                                    ("grpc.max_receive_message_length", self._max_bytes)])
+            pb_grpc.add_TandemServiceServicer_to_server(self._servicer, self._server)
+            self.port = self._server.add_insecure_port(self.address)
+            await self._server.start()
+        except BaseException as e:  # noqa: BLE001 - reported to the constructor
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._server.wait_for_termination()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self._server is not None and self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(grace_s + 5)

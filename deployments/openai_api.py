@@ -1,5 +1,10 @@
 """OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics. Errors use OpenAI's JSON shape and never carry a traceback."""
+/v1/models, /health, /metrics.
+
+The wire format only: parsing, validation and tokenization are deployments/requests.py's, run in a
+worker thread. Every error, routing and parsing included, is OpenAI's JSON shape with a request id;
+the detail goes to the log under that id.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -7,165 +12,105 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import SecretStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.app import ServeArgs
-from deployments.chat import chat_prompt_ids, end_of_turn_ids
 from deployments.metrics_export import metrics_text
-from engine.async_engine import AsyncEngine, QueueFullError, RequestDelta
-from engine.config import SamplingParams
+from deployments.requests import (PreparedRequest, RequestError, RequestLayer, collect, delta_error,
+                                  key_matches)
+from engine.async_engine import AsyncEngine, RequestStream
 
 log = logging.getLogger(__name__)
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.type, self.param, self.code)
+REQUEST_ID_HEADER = "x-request-id"
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+def error_response(error: RequestError, request_id: str | None = None) -> JSONResponse:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return JSONResponse(status_code=error.status, content=error.body(request_id), headers=headers)
 
 
-class APIKeyMiddleware:
-    """Require `Authorization: Bearer <key>` under /v1 (health and metrics stay open for probes).
+async def send_error(scope, receive, send, error: RequestError) -> None:
+    await error_response(error, f"req-{uuid.uuid4().hex}")(scope, receive, send)
 
-    Plain ASGI rather than @app.middleware("http"), which re-wraps every streamed chunk."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+class EdgeMiddleware:
+    """Plain ASGI (not @app.middleware, which re-wraps every streamed chunk): a request-size limit
+    answered with 413 before the body is read, and the API key under /v1 (health and metrics stay
+    open for probes)."""
+
+    def __init__(self, app, max_request_bytes: int, api_key: SecretStr | None):
+        self.app, self.max_bytes, self.api_key = app, max_request_bytes, api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            path, root = scope["path"], scope.get("root_path", "")
-            if path.startswith(root):  # under a Serve route_prefix, the path includes it
-                path = path[len(root):]
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if path.startswith("/v1") and auth != self.expected:
-                response = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                          "authentication_error", code="invalid_api_key")
-                await response(scope, receive, send)
-                return
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        path, root = scope["path"], scope.get("root_path", "")
+        if path.startswith(root):  # under a Serve route_prefix, the path includes it
+            path = path[len(root):]
+        if self.api_key is not None and path.startswith("/v1") and \
+                not key_matches(headers.get(b"authorization"), self.api_key):
+            return await send_error(scope, receive, send, RequestError(
+                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                code="invalid_api_key"))
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await send_error(scope, receive, send, too_large(self.max_bytes))
         await self.app(scope, receive, send)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def too_large(limit: int) -> RequestError:
+    return RequestError(413, f"request body is larger than this server's limit of {limit} bytes",
+                        code="request_too_large")
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's, plus vLLM's extensions)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_tokens: int = 0
-    n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    logprobs: Any = None
-    user: str | None = None
-
-    def sampling_params(self, default_max_tokens: int | None, extra_stop_ids: list[int] = (), index: int = 0):
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs is not supported yet", param="logprobs")
-        seed = None if self.seed is None else self.seed + index  # n > 1: distinct, reproducible samples
-        try:
-            return SamplingParams(
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-                min_tokens=self.min_tokens, stop=self.stop, seed=seed, ignore_eos=self.ignore_eos,
-                stop_token_ids=list(self.stop_token_ids or []) + list(extra_stop_ids))
-        except ValidationError as e:
-            raise APIError(400, _first_error(e), param=_first_param(e)) from None
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing it once it passes `limit` (a chunked upload has no Content-Length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    max_tokens: int | None = 16  # OpenAI's default for completions
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    return f"{where}: {msg}" if where else msg
-
-
-def _first_param(e: ValidationError) -> str | None:
-    loc = [str(x) for x in e.errors()[0].get("loc", ()) if x != "body"]
-    return loc[0] if loc else None
-
-
-def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
-    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
-    tokenizer = engine.tokenizer
+def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None = None) -> FastAPI:
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    layer = RequestLayer(engine, args.model_name, args.model)
     model_name = args.model_name
     created = int(time.time())
-    turn_end_ids = end_of_turn_ids(tokenizer)
+    app.add_middleware(EdgeMiddleware, max_request_bytes=args.max_request_bytes, api_key=api_key)
 
-    if args.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.method} {request.url.path[:200]}",
+                   405: f"method {request.method} is not allowed on {request.url.path[:200]}"}.get(
+            exc.status_code, "invalid request")
+        return error_response(RequestError(exc.status_code, message, code="not_found" if exc.status_code == 404
+                                           else None), f"req-{uuid.uuid4().hex}")
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        if errors and errors[0].get("type") == "json_invalid":
-            return error_response(400, "request body is not valid JSON", "invalid_request_error")
-        err = errors[0] if errors else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        message = f"{'.'.join(loc)}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid request")
-        return error_response(400, message, "invalid_request_error", loc[0] if loc else None)
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError):
-        return exc.response()
+        return error_response(RequestError(400, "invalid request"), f"req-{uuid.uuid4().hex}")
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(500, "internal server error", "internal_error")
+        rid = f"req-{uuid.uuid4().hex}"
+        log.error("request %s: unhandled error on %s", rid, request.url.path, exc_info=exc)
+        return error_response(RequestError(500, "internal server error", "internal_error"), rid)
 
     @app.get("/health")
     async def health():
         if not engine.alive():
-            return error_response(503, "engine is not running", "unavailable")
+            return error_response(RequestError(503, "engine is not running", "unavailable_error"))
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -178,148 +123,103 @@ def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
                                             "owned_by": "tandem", "root": args.model,
                                             "max_model_len": engine.max_model_len}]}
 
-    def check_model(name: str) -> None:
-        if name not in (model_name, args.model):
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
-
-    async def start(prompt: Any, params: SamplingParams) -> tuple[AsyncIterator[RequestDelta], RequestDelta]:
-        """Queue one request; return its stream and first delta (raises APIError on rejection)."""
-        stream = engine.add_request(prompt, params, f"cmpl-{uuid.uuid4().hex}")
+    async def handle(request: Request, kind: str, prefix: str, respond: Callable) -> Response:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            first = await stream.__anext__()
-        except QueueFullError as e:
-            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
-        if first.finish_reason == "rejected":
-            raise APIError(400, first.error, param="prompt" if "prompt" in first.error else None)
-        if first.error:
-            raise APIError(500, f"generation failed: {first.error}", "internal_error")
-        return stream, first
-
-    async def start_all(jobs: list[tuple[Any, SamplingParams]]) -> list[tuple[AsyncIterator[RequestDelta], RequestDelta]]:
-        """Start every request of one API call, or none: a rejection aborts those already queued."""
-        started = []
-        try:
-            for prompt, params in jobs:
-                started.append(await start(prompt, params))
-        except BaseException:
-            for stream, _ in started:
-                await stream.aclose()
-            raise
-        return started
-
-    async def run_to_end(stream, first: RequestDelta) -> tuple[list[int], str, RequestDelta]:
-        tokens, text, last = list(first.token_ids), first.text, first
-        if first.finish_reason is None:
-            async for delta in stream:
-                tokens += delta.token_ids
-                text += delta.text
-                last = delta
-        if last.error:
-            raise APIError(500, f"generation failed: {last.error}", "internal_error")
-        return tokens, text, last
-
-    def prompts_of(req: CompletionRequest) -> list[Any]:
-        p = req.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise APIError(400, "prompt is empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [{"prompt_token_ids": p}]
-        if all(isinstance(x, str) for x in p):
-            return list(p)
-        return [{"prompt_token_ids": x} for x in p]
+            body = await read_body(request, args.max_request_bytes)
+            prepared = await asyncio.to_thread(layer.prepare, kind, body, rid)
+            streams = layer.start(prepared)
+            return await respond(prepared, streams)
+        except RequestError as e:
+            (log.info if e.status < 500 else log.warning)("request %s: %d %s", rid, e.status, e.message)
+            return error_response(e, rid)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        check_model(req.model)
-        prompts = prompts_of(req)
-        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        jobs = []  # (choice index, prompt, params)
-        for i, prompt in enumerate(prompts):
-            for j in range(req.n):
-                jobs.append((i * req.n + j, prompt, req.sampling_params(16, index=j)))
-        started = await start_all([(prompt, params) for _, prompt, params in jobs])
-        echo_text = [(prompt if isinstance(prompt, str) else tokenizer.decode(prompt["prompt_token_ids"]))
-                     if req.echo else "" for _, prompt, _ in jobs]
+    async def completions(request: Request):
+        return await handle(request, "completion", "cmpl", respond_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, "chat", "chatcmpl", respond_chat)
+
+    async def respond_completion(prepared: PreparedRequest, streams: list[RequestStream]) -> Response:
+        rid, now = prepared.request_id, int(time.time())
 
         def chunk(index: int, text: str, finish: str | None) -> dict:
             return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        if req.stream:
-            return sse(merge_streams(started, [j[0] for j in jobs], echo_text, chunk,
-                                     req.stream_options and req.stream_options.include_usage, rid, now,
-                                     "text_completion"))
-        results = await asyncio.gather(*(run_to_end(s, f) for s, f in started))
-        choices, completion_tokens = [], 0
-        for (index, _, _), echo, (tokens, text, last) in zip(jobs, echo_text, results):
-            choices.append({"index": index, "text": echo + text, "logprobs": None,
-                            "finish_reason": openai_finish(last.finish_reason)})
-            completion_tokens += len(tokens)
-        prompt_tokens = sum(len(f.prompt_token_ids) for _, f in started)
-        return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens)}
+        if prepared.stream:
+            return await sse(prepared, streams, chunk, "text_completion", now)
+        results = await gather_all(streams)
+        choices = [{"index": c.index, "text": c.echo + r.text, "logprobs": None,
+                    "finish_reason": openai_finish(r.last.finish_reason)}
+                   for c, r in zip(prepared.choices, results)]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                             "choices": choices, "usage": usage(prepared, results)},
+                            headers={REQUEST_ID_HEADER: rid})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        check_model(req.model)
-        try:
-            ids = chat_prompt_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is not None:
-            req = req.model_copy(update={"max_tokens": max_tokens})
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        jobs = [req.sampling_params(None, turn_end_ids, index=j) for j in range(req.n)]
-        started = await start_all([({"prompt_token_ids": ids}, params) for params in jobs])
+    async def respond_chat(prepared: PreparedRequest, streams: list[RequestStream]) -> Response:
+        rid, now = prepared.request_id, int(time.time())
 
         def chunk(index: int, text: str, finish: str | None) -> dict:
             delta = {"content": text} if text or finish is None else {}
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                     "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        if req.stream:
-            return sse(merge_streams(started, list(range(req.n)), [""] * req.n, chunk,
-                                     req.stream_options and req.stream_options.include_usage, rid, now,
-                                     "chat.completion.chunk", role_chunk=True))
-        results = await asyncio.gather(*(run_to_end(s, f) for s, f in started))
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": openai_finish(last.finish_reason)}
-                   for i, (_, text, last) in enumerate(results)]
-        completion_tokens = sum(len(tokens) for tokens, _, _ in results)
-        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name, "choices": choices,
-                "usage": usage(len(ids) * req.n, completion_tokens)}
+        if prepared.stream:
+            return await sse(prepared, streams, chunk, "chat.completion.chunk", now, role_chunk=True)
+        results = await gather_all(streams)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                    "finish_reason": openai_finish(r.last.finish_reason)}
+                   for c, r in zip(prepared.choices, results)]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now, "model": model_name,
+                             "choices": choices, "usage": usage(prepared, results)},
+                            headers={REQUEST_ID_HEADER: rid})
 
-    async def merge_streams(started, indices, prefixes, chunk, include_usage, rid, now, obj, role_chunk=False):
-        """Interleave the deltas of several requests as SSE chunks, in arrival order."""
+    async def sse(prepared: PreparedRequest, streams: list[RequestStream], chunk: Callable, obj: str, now: int,
+                  role_chunk: bool = False) -> Response:
+        # Wait for each choice's first delta before answering 200, so a request that fails at once
+        # still gets a status code; later failures become an error event.
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in streams))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        for first in firsts:
+            if first.error:
+                for s in streams:
+                    s.abort()
+                raise delta_error(first)
+        events = merge_streams(prepared, streams, firsts, chunk, obj, now, role_chunk)
+        return StreamingResponse(encode_sse(events), media_type="text/event-stream",
+                                 headers={REQUEST_ID_HEADER: prepared.request_id})
+
+    async def merge_streams(prepared, streams, firsts, chunk, obj, now, role_chunk) -> AsyncIterator[dict]:
+        """Interleave the deltas of the call's choices as SSE chunks, in arrival order."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(k, stream, first):
+        async def pump(k: int, stream: RequestStream, first) -> None:
             try:
                 await queue.put((k, first))
                 if first.finish_reason is None:
                     async for delta in stream:
                         await queue.put((k, delta))
             finally:
-                await queue.put((k, None))
+                queue.put_nowait((k, None))
 
-        tasks = [asyncio.create_task(pump(k, s, f)) for k, (s, f) in enumerate(started)]
-        prompt_tokens = sum(len(f.prompt_token_ids) for _, f in started)
-        completion_tokens, open_streams = 0, len(started)
+        tasks = [asyncio.create_task(pump(k, s, f)) for k, (s, f) in enumerate(zip(streams, firsts))]
+        completion_tokens, open_streams = 0, len(streams)
         try:
             if role_chunk:
-                for index in indices:
-                    first = chunk(index, "", None)
+                for c in prepared.choices:
+                    first = chunk(c.index, "", None)
                     first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield first
-            for k, prefix in enumerate(prefixes):
-                if prefix:
-                    yield chunk(indices[k], prefix, None)
+            for c in prepared.choices:
+                if c.echo:
+                    yield chunk(c.index, c.echo, None)
             while open_streams:
                 k, delta = await queue.get()
                 if delta is None:
@@ -327,36 +227,50 @@ def create_app(engine: AsyncEngine, args: ServeArgs) -> FastAPI:
                     continue
                 completion_tokens += len(delta.token_ids)
                 if delta.error:
-                    yield {"error": {"message": f"generation failed: {delta.error}", "type": "internal_error",
-                                     "param": None, "code": None}}
+                    log.warning("request %s: choice %d failed while streaming: %s", prepared.request_id,
+                                prepared.choices[k].index, delta.error)
+                    yield delta_error(delta).body(prepared.request_id)
                     continue
                 if delta.text or delta.finish_reason:
-                    yield chunk(indices[k], delta.text, openai_finish(delta.finish_reason))
-            if include_usage:
-                yield {"id": rid, "object": obj, "created": now, "model": model_name, "choices": [],
-                       "usage": usage(prompt_tokens, completion_tokens)}
+                    yield chunk(prepared.choices[k].index, delta.text, openai_finish(delta.finish_reason))
+            if prepared.include_usage:
+                yield {"id": prepared.request_id, "object": obj, "created": now, "model": model_name,
+                       "choices": [], "usage": usage_counts(prepared.prompt_tokens, completion_tokens)}
         finally:
+            # a disconnected client (this generator cancelled) aborts every choice of the call
+            for s in streams:
+                s.abort()
             for t in tasks:
                 t.cancel()
-            for s, _ in started:
-                await s.aclose()  # a disconnected client aborts every request of this response
 
     return app
+
+
+async def gather_all(streams: list[RequestStream]):
+    try:
+        return await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        for s in streams:  # one choice failed or the client went away: stop the others too
+            s.abort()
 
 
 def openai_finish(reason: str | None) -> str | None:
     return {"abort": "stop", "error": "stop"}.get(reason, reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prepared: PreparedRequest, results) -> dict:
+    return usage_counts(prepared.prompt_tokens, sum(len(r.token_ids) for r in results))
+
+
+def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        async for c in chunks:
-            yield f"data: {json.dumps(c)}\n\n"
+async def encode_sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
         yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
+    finally:
+        await events.aclose()  # same task that iterated it: runs merge_streams' finally (the aborts)

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.config import EngineConfig, SamplingParams
 from engine.core import EngineCore
-from engine.errors import INTERNAL_ERROR
+from engine.errors import INTERNAL_ERROR, error_kind
 from engine.metrics import SpecDecodeLogger, SpecDecodeStats
 from engine.scheduler import Sequence
 
@@ -36,7 +36,8 @@ class RequestDelta:
     prompt_token_ids: list[int] = field(default_factory=list)  # filled on the first delta
     num_output_tokens: int = 0
     stats: SpecDecodeStats | None = None  # on the last delta
-    error: str | None = None
+    error: str | None = None  # safe to show a client
+    error_kind: str | None = None  # engine.errors.error_kind: invalid_request | internal | unavailable
 
 
 class QueueFullError(RuntimeError):
@@ -165,7 +166,7 @@ class AsyncEngine:
         if stream:
             loop, queue, _ = stream
             loop.call_soon_threadsafe(queue.put_nowait, RequestDelta(request_id, [], "", "rejected",
-                                                                 error=message))
+                                                                 error=message, error_kind=error_kind(message)))
 
     def _emit(self, seq: Sequence) -> None:
         stream = self._streams.get(seq.request_id)
@@ -177,7 +178,7 @@ class AsyncEngine:
         visible = len(text) if seq.finished or not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
         delta = RequestDelta(seq.request_id, seq.output_ids[sent["tokens"]:], text[sent["text"]:visible],
                              seq.finish_reason, seq.stop_reason, num_output_tokens=len(seq.output_ids),
-                             error=seq.error)
+                             error=seq.error, error_kind=error_kind(seq.error) if seq.error else None)
         if sent["tokens"] == 0:
             delta.prompt_token_ids = list(seq.prompt_ids)
         sent["tokens"], sent["text"] = len(seq.output_ids), max(sent["text"], visible)

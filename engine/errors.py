@@ -26,6 +26,18 @@ class StepError(RuntimeError):
     """A worker raised while running a step; its process is alive and its state is intact."""
 
 
+WORKER_FAILED = "the model workers failed while generating this request; retry it"
+
+
+def error_kind(message: str) -> str:
+    """'internal' (our bug), 'unavailable' (a worker died: retry) or 'invalid_request' (its own numbers)."""
+    if message == INTERNAL_ERROR or message.startswith("internal error"):
+        return "internal"
+    if message == WORKER_FAILED:
+        return "unavailable"
+    return "invalid_request"
+
+
 def row_error_message(error: BaseException, request_id: str, stage: str) -> str:
     """The client's message for a failed row; logs the detail under the request id."""
     if isinstance(error, RowError):

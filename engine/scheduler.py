@@ -14,14 +14,12 @@ from dataclasses import dataclass, field
 
 from engine.adaptive import AcceptanceEstimate, CostModel, adaptive_k
 from engine.config import EngineConfig, SamplingParams
-from engine.errors import INTERNAL_ERROR, ExecutorError, StepError
+from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
 from engine.metrics import EngineCounters, SpecDecodeStats
 from engine.step import DraftBatch, RowSampling, VerifyBatch
 from engine.vocab_mapping import VocabMapping
 
 log = logging.getLogger(__name__)
-
-WORKER_FAILED = "the model workers failed while generating this request; retry it"
 
 
 @dataclass

@@ -1,0 +1,426 @@
+"""One request layer for both transports: HTTP and gRPC bodies become the same typed engine
+requests, with the same validation, defaults and errors. Only the wire format differs.
+
+`RequestLayer.prepare()` is synchronous and CPU-bound (JSON, validation, tokenization, chat
+templates): transports run it in a worker thread, never on the event loop.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from deployments.chat import chat_prompt_ids, end_of_turn_ids
+from engine.async_engine import AsyncEngine, QueueFullError, RequestDelta, RequestStream
+from engine.config import SamplingParams
+from engine.core import TokenizedPrompt
+from engine.errors import INTERNAL_ERROR
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 64  # prompts in one completion call (each times n is a request)
+MAX_JSON_DEPTH = 32
+
+
+class RequestError(Exception):
+    """A request's failure as a client sees it: an HTTP status, OpenAI's error fields, a message
+    with no internals. gRPC maps the status to a code."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(status, message, type_, param, code)  # all in args: Ray pickles exceptions
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self, request_id: str | None) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          "request_id": request_id}}
+
+
+def bad_request(message: str, param: str | None = None) -> RequestError:
+    return RequestError(400, message, "invalid_request_error", param)
+
+
+# Fields of OpenAI's (and vLLM's) API that Tandem does not implement. Each is accepted only at a
+# value that changes nothing, so a client that sends defaults works and one that asks for the
+# feature gets a 400 naming it instead of a silently different answer.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "min_p": (None, 0, 0.0),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "use_beam_search": (None, False),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's, plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_tokens: int = 0
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None  # the caller's end-user id: metadata, changes nothing
+    # not implemented: see NEUTRAL_VALUES
+    best_of: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    min_p: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    use_beam_search: Any = None
+
+    def check_unsupported(self) -> None:
+        for name, neutral in NEUTRAL_VALUES.items():
+            value = getattr(self, name, None)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                raise bad_request(f"'{name}' is not supported by this server; remove it (or send its default)",
+                                  param=name)
+        if self.stop is not None and not isinstance(self.stop, str) and len(self.stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
+
+    def sampling_params(self, max_tokens: int | None, extra_stop_ids: list[int], index: int) -> SamplingParams:
+        seed = None if self.seed is None else self.seed + index  # n > 1: distinct, reproducible samples
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
+                min_tokens=self.min_tokens, stop=self.stop, seed=seed, ignore_eos=self.ignore_eos,
+                stop_token_ids=list(self.stop_token_ids or []) + list(extra_stop_ids))
+        except ValidationError as e:
+            raise validation_error(e) from None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: Any = None
+    max_tokens: int | None = 16  # OpenAI's default for completions
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise ValueError(f"content part {i}: only {{'type': 'text', 'text': <string>}} parts are supported")
+        return content
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part["text"] for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def validation_error(e: ValidationError) -> RequestError:
+    """pydantic's first error as one line: where, and what; never the input value."""
+    err = e.errors(include_input=False, include_url=False)[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "extra_forbidden":
+        return bad_request(f"unknown field '{'.'.join(loc)}'", param=loc[0] if loc else None)
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return bad_request(f"{'.'.join(loc)}: {msg}" if loc else msg, param=loc[0] if loc else None)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise bad_request("request body is nested too deeply")
+    return body
+
+
+def _depth(value: Any, limit: int = MAX_JSON_DEPTH + 1) -> int:
+    stack, deepest = [(value, 1)], 0
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def _valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt: TokenizedPrompt
+    params: SamplingParams
+    echo: str = ""  # text that precedes the completion in the response (completions' echo)
+
+
+@dataclass
+class PreparedRequest:
+    """One API call, validated and tokenized: what either transport hands the engine."""
+
+    request_id: str
+    kind: Literal["completion", "chat"]
+    choices: list[Choice]
+    stream: bool
+    include_usage: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(c.prompt.ids) for c in self.choices)
+
+
+class RequestLayer:
+    def __init__(self, engine: AsyncEngine, model_name: str, model_root: str):
+        self.engine, self.model_name, self.model_root = engine, model_name, model_root
+        self.tokenizer = engine.tokenizer
+        self.turn_end_ids = end_of_turn_ids(self.tokenizer)
+        # Longest token in UTF-8 bytes: a text longer than max_model_len times this has more tokens
+        # than fit, so it is refused without being tokenized.
+        self.max_token_bytes = max(len(t.encode("utf-8", "replace")) for t in self.tokenizer.get_vocab())
+
+    # -- parsing (worker thread) ---------------------------------------------------------------
+
+    def prepare(self, kind: Literal["completion", "chat"], body: bytes | dict, request_id: str) -> PreparedRequest:
+        data = parse_json(body) if isinstance(body, (bytes, bytearray)) else body
+        try:
+            req = (CompletionRequest if kind == "completion" else ChatCompletionRequest).model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        req.check_unsupported()
+        self.check_model(req.model)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if kind == "completion":
+            choices = self._completion_choices(req)
+        else:
+            choices = self._chat_choices(req)
+        return PreparedRequest(request_id, kind, choices, req.stream, include_usage)
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, self.model_root):
+            raise RequestError(404, f"The model '{name[:200]}' does not exist; this server serves "
+                                    f"'{self.model_name}'", param="model", code="model_not_found")
+
+    def _completion_choices(self, req: CompletionRequest) -> list[Choice]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts: list[Any] = [p]
+        elif not p:
+            raise bad_request("prompt is empty", param="prompt")
+        elif all(isinstance(x, int) for x in p):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if len(prompts) > MAX_PROMPTS:
+            raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
+        choices = []
+        for i, prompt in enumerate(prompts):
+            tokenized = self._tokenize(prompt)
+            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(tokenized.ids)) if req.echo else ""
+            for j in range(req.n):
+                params = req.sampling_params(req.max_tokens, [], j)
+                self._check(tokenized, params)
+                choices.append(Choice(i * req.n + j, tokenized, params, echo))
+        return choices
+
+    def _chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if not all(_valid_unicode(m["content"]) for m in messages):
+            raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
+        self._check_text_bytes(sum(len(m["content"].encode("utf-8")) for m in messages))
+        try:
+            ids = chat_prompt_ids(self.tokenizer, messages)
+        except ValueError as e:
+            log.info("chat template failed: %s", e)
+            raise bad_request("messages could not be formatted with the model's chat template",
+                              param="messages") from None
+        prompt = TokenizedPrompt(None, ids)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        choices = []
+        for j in range(req.n):
+            params = req.sampling_params(max_tokens, self.turn_end_ids, j)
+            self._check(prompt, params)
+            choices.append(Choice(j, prompt, params))
+        return choices
+
+    def _tokenize(self, prompt: str | list[int]) -> TokenizedPrompt:
+        if isinstance(prompt, str):
+            if not _valid_unicode(prompt):
+                raise bad_request("prompt must be valid Unicode (no lone surrogates)", param="prompt")
+            self._check_text_bytes(len(prompt.encode("utf-8")))
+        try:
+            text, ids = self.engine.core.prompt_ids(prompt)
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt") from None
+        return TokenizedPrompt(text, ids)
+
+    def _check_text_bytes(self, n_bytes: int) -> None:
+        limit = self.engine.max_model_len
+        if n_bytes > limit * self.max_token_bytes:
+            raise bad_request(f"This model's maximum context length is {limit} tokens; the input is "
+                              f"{n_bytes} bytes, more than any {limit} tokens can hold. Please reduce the "
+                              f"length of the input.", param="prompt")
+
+    def _check(self, prompt: TokenizedPrompt, params: SamplingParams) -> None:
+        if not all(_valid_unicode(s) for s in params.stop):
+            raise bad_request("stop strings must be valid Unicode (no lone surrogates)", param="stop")
+        try:
+            self.engine.core.scheduler.check_request(prompt.ids, params)
+        except ValueError as e:
+            message = str(e)
+            param = next((p for p in ("max_tokens", "stop_token_ids") if message.lstrip("'").startswith(p)), "prompt")
+            raise bad_request(message, param=param) from None
+
+    # -- running (event loop) ------------------------------------------------------------------
+
+    def start(self, prepared: PreparedRequest) -> list[RequestStream]:
+        """Queue every choice of the call, or none: a rejection aborts those already queued."""
+        streams: list[RequestStream] = []
+        try:
+            for c in prepared.choices:
+                streams.append(self.engine.add_request(c.prompt, c.params, f"{prepared.request_id}-{c.index}"))
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, QueueFullError):
+                raise RequestError(429, str(e), "rate_limit_error", code="queue_full") from None
+            if isinstance(e, ValueError):
+                raise bad_request(str(e)) from None
+            raise
+        return streams
+
+
+def delta_error(delta: RequestDelta) -> RequestError:
+    """A request that ended with an error, as the client sees it."""
+    kind = delta.error_kind or ("invalid_request" if delta.finish_reason == "rejected" else "internal")
+    if kind == "invalid_request":
+        return bad_request(delta.error or "invalid request")
+    if kind == "unavailable":
+        return RequestError(503, delta.error or "service unavailable", "unavailable_error", code="unavailable")
+    return RequestError(500, delta.error or INTERNAL_ERROR, "internal_error")
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    last: RequestDelta
+    prompt_token_ids: list[int]
+
+
+async def collect(stream: RequestStream) -> Completion:
+    """Read a stream to its end (RequestError if it failed); aborts it if this task is cancelled."""
+    tokens, text, prompt_ids, last = [], "", [], None
+    try:
+        async for delta in stream:
+            if delta.error:
+                raise delta_error(delta)
+            tokens += delta.token_ids
+            text += delta.text
+            prompt_ids = prompt_ids or delta.prompt_token_ids
+            last = delta
+    finally:
+        stream.abort()
+    return Completion(tokens, text, last, prompt_ids)
+
+
+DEFAULT_API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def resolve_api_key(api_key: SecretStr | None, api_key_env: str | None, api_key_file: str | None) -> SecretStr | None:
+    """The key from the args (CLI), a named environment variable, or a file; never logged."""
+    import os
+
+    if api_key is not None:
+        return api_key
+    if not api_key_file and not api_key_env and os.environ.get(DEFAULT_API_KEY_ENV):
+        api_key_env = DEFAULT_API_KEY_ENV
+    if api_key_file:
+        with open(api_key_file, encoding="utf-8") as f:
+            value = f.read().strip()
+        if not value:
+            raise ValueError("api_key_file is empty")
+        return SecretStr(value)
+    if api_key_env:
+        value = os.environ.get(api_key_env, "")
+        if not value:
+            raise ValueError(f"api_key_env names {api_key_env!r}, but that environment variable is not set")
+        return SecretStr(value)
+    return None
+
+
+def key_matches(presented: str | bytes | None, expected: SecretStr) -> bool:
+    """`presented` is an Authorization value; constant-time comparison against 'Bearer <key>'."""
+    if presented is None:
+        return False
+    if isinstance(presented, str):
+        presented = presented.encode("utf-8", "replace")
+    return hmac.compare_digest(presented, f"Bearer {expected.get_secret_value()}".encode())
