@@ -317,7 +317,7 @@ class RequestLayer:
                 raise bad_request("prompt must be valid Unicode (no lone surrogates)", param="prompt")
             self._check_text_bytes(len(prompt.encode("utf-8")))
         try:
-            text, ids = self.engine.core.prompt_ids(prompt)
+            text, ids = self.engine.core.prompt_ids(prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt})
         except ValueError as e:
             raise bad_request(str(e), param="prompt") from None
         return TokenizedPrompt(text, ids)

@@ -1,6 +1,7 @@
 """Ray actor groups with tensor parallelism, continuous batching, abort and worker failure,
 on a real local Ray cluster started here."""
 import asyncio
+import os
 import time
 
 import pytest
@@ -74,7 +75,7 @@ def test_abort_frees_the_slot(reference):
         async def main():
             stream = engine.add_request("hello world", greedy(200))
             got = [await stream.__anext__() for _ in range(2)]
-            await stream.aclose()  # the client went away mid-generation
+            stream.abort()  # the client went away mid-generation
             assert got[0].finish_reason is None
             # the only slot must be free again: this completes (and matches its reference)
             return await asyncio.wait_for(collect(engine, PROMPTS[1], greedy(MAX_TOKENS[1])), timeout=120)
@@ -83,6 +84,30 @@ def test_abort_frees_the_slot(reference):
         assert engine.core.scheduler.free_slots == [0]
     finally:
         engine.shutdown()
+
+
+def worker_pids(engine: AsyncEngine) -> set[int]:
+    executor = engine.core.executor
+    return set(ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in executor.target + executor.draft]))
+
+
+def test_a_poisoned_row_fails_alone(ray_engine, reference):
+    """Rows that bypass the edge's validation still fail alone: an unsampleable distribution (NaN),
+    a token id the embedding can't index (the whole forward raises: rows are retried one by one),
+    the same in prefill. The other rows of those steps keep their exact output; no worker restarts."""
+    from engine.core import TokenizedPrompt
+
+    pids = worker_pids(ray_engine)
+    nan_params = SamplingParams.model_construct(**{**greedy(20).model_dump(), "temperature": 1e-39})
+    bad = [("hello", nan_params, "probability"), (TokenizedPrompt(None, [10**6]), greedy(20), "internal"),
+           (TokenizedPrompt(None, [1, 10**6, 3]), greedy(20), "internal")]
+    results = run_all(ray_engine, PROMPTS[:3] + [b[0] for b in bad],
+                      [greedy(n) for n in MAX_TOKENS[:3]] + [b[1] for b in bad])
+    assert [r[0] for r in results[:3]] == reference[:3]
+    for (tokens, _, last), (_, _, message) in zip(results[3:], bad):
+        assert last.finish_reason == "error" and message in last.error and "Traceback" not in last.error
+    assert worker_pids(ray_engine) == pids
+    assert ray_engine.core.scheduler.free_slots and not ray_engine.core.scheduler.running
 
 
 def tp_engine(tp: int, draft_tp: int | None, spec: bool = True) -> AsyncEngine:

@@ -10,7 +10,7 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.app import build_app
+from deployments.app import build_app, make_app, parse_args
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 SPEC = {"model": DRAFT, "num_speculative_tokens": 3}
@@ -22,24 +22,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-GRPC_SERVICER = "tandem_proto.tandem_pb2_grpc.add_TandemServiceServicer_to_server"
-
-
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    key_file = tmp_path_factory.mktemp("key") / "api_key"
+    key_file.write_text("s3cret\n")
     apps = {
         "plain": {"model": TARGET},
         "spec": {"model": TARGET, "speculative_config": SPEC},
-        "keyed": {"model": TARGET, "api_key": "s3cret", "served_model_name": "tiny"},
+        "keyed": {"model": TARGET, "api_key_file": str(key_file), "served_model_name": "tiny"},
         "small": {"model": TARGET, "speculative_config": SPEC, "max_num_seqs": 1, "max_queued_requests": 1},
     }
+    grpc_ports = {}
     for name, args in apps.items():
-        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-    yield {"http": f"http://127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"}
+        grpc_ports[name] = free_port()
+        serve.run(build_app({**args, "grpc_port": grpc_ports[name]}), name=name, route_prefix=f"/{name}")
+    yield {"http": f"http://127.0.0.1:{port}", "grpc": {n: f"127.0.0.1:{p}" for n, p in grpc_ports.items()}}
     serve.shutdown()
     ray.shutdown()
 
@@ -149,44 +149,44 @@ def test_disconnect_frees_the_slot(base):
 # -- gRPC: the same apps through Ray Serve's gRPC proxy ---------------------------------------------
 
 @pytest.fixture(scope="module")
-def stub(server):
+def stubs(server):
     import grpc
 
     from tandem_proto import tandem_pb2_grpc
 
-    channel = grpc.insecure_channel(server["grpc"])
-    yield tandem_pb2_grpc.TandemServiceStub(channel)
-    channel.close()
+    channels = {name: grpc.insecure_channel(address) for name, address in server["grpc"].items()}
+    yield {name: tandem_pb2_grpc.TandemServiceStub(c) for name, c in channels.items()}
+    for c in channels.values():
+        c.close()
 
 
-def app_md(name, key=None):
-    md = [("application", name)]
-    return md + [("authorization", f"Bearer {key}")] if key else md
+def key_md(key):
+    return [("authorization", f"Bearer {key}")]
 
 
-def test_grpc_unary_and_stream_equal_http(base, stub):
+def test_grpc_unary_and_stream_equal_http(base, stubs):
     from tandem_proto import tandem_pb2 as pb
 
     http = client(base, "spec").completions.create(model=TARGET, prompt="the cat", max_tokens=30, temperature=0,
                                                    extra_body={"ignore_eos": True})
     req = pb.GenerateRequest(model=TARGET, prompt="the cat", max_tokens=30, temperature=0, ignore_eos=True)
-    unary = stub.Generate(req, metadata=app_md("spec"))
+    unary = stubs["spec"].Generate(req)
     assert unary.text == http.choices[0].text and len(unary.token_ids) == 30
     assert unary.finish_reason == "length" and unary.usage.completion_tokens == 30
     assert unary.spec_decode.num_drafts > 0 and unary.spec_decode.mean_acceptance_length >= 1
-    parts = list(stub.GenerateStream(req, metadata=app_md("spec")))
+    parts = list(stubs["spec"].GenerateStream(req))
     assert "".join(p.text for p in parts) == unary.text
     assert [t for p in parts for t in p.token_ids] == list(unary.token_ids)
     assert parts[-1].finish_reason == "length" and parts[-1].usage.total_tokens == unary.usage.total_tokens
-    models = stub.ListModels(pb.ListModelsRequest(), metadata=app_md("spec"))
+    models = stubs["spec"].ListModels(pb.ListModelsRequest())
     assert [m.id for m in models.models] == [TARGET]
-    assert stub.Health(pb.HealthRequest(), metadata=app_md("spec")).status == "ok"
-    chat = stub.Generate(pb.GenerateRequest(model=TARGET, messages=[pb.ChatMessage(role="user", content="hi")],
-                                            max_tokens=5, temperature=0), metadata=app_md("spec"))
+    assert stubs["spec"].Health(pb.HealthRequest()).status == "ok"
+    chat = stubs["spec"].Generate(pb.GenerateRequest(model=TARGET, messages=[pb.ChatMessage(role="user", content="hi")],
+                                            max_tokens=5, temperature=0))
     assert chat.usage.completion_tokens >= 1
 
 
-def test_grpc_errors(base, stub):
+def test_grpc_errors(base, stubs):
     import grpc
 
     from tandem_proto import tandem_pb2 as pb
@@ -200,28 +200,23 @@ def test_grpc_errors(base, stub):
         raise AssertionError(f"no error; got {result!r}")
 
     ok = dict(model=TARGET, prompt="hi", max_tokens=3)
-    assert code_of(lambda: stub.Generate(pb.GenerateRequest(**{**ok, "model": "gpt-4"}),
-                                         metadata=app_md("spec"))) == grpc.StatusCode.NOT_FOUND
-    assert code_of(lambda: stub.Generate(pb.GenerateRequest(**ok, temperature=-1),
-                                         metadata=app_md("spec"))) == grpc.StatusCode.INVALID_ARGUMENT
-    assert code_of(lambda: stub.Generate(pb.GenerateRequest(**{**ok, "prompt": "x" * 5000}),
-                                         metadata=app_md("spec"))) == grpc.StatusCode.INVALID_ARGUMENT
-    assert code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(**{**ok, "prompt": ""}),
-                                                    metadata=app_md("spec")))) == grpc.StatusCode.INVALID_ARGUMENT
-    assert code_of(lambda: stub.Generate(pb.GenerateRequest(**{**ok, "model": "tiny"}),
-                                         metadata=app_md("keyed"))) == grpc.StatusCode.UNAUTHENTICATED
-    assert stub.Generate(pb.GenerateRequest(**{**ok, "model": "tiny"}), metadata=app_md("keyed", "s3cret")).text
+    assert code_of(lambda: stubs["spec"].Generate(pb.GenerateRequest(**{**ok, "model": "gpt-4"}))) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: stubs["spec"].Generate(pb.GenerateRequest(**ok, temperature=-1))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stubs["spec"].Generate(pb.GenerateRequest(**{**ok, "prompt": "x" * 5000}))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: list(stubs["spec"].GenerateStream(pb.GenerateRequest(**{**ok, "prompt": ""})))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stubs["keyed"].Generate(pb.GenerateRequest(**{**ok, "model": "tiny"}))) == grpc.StatusCode.UNAUTHENTICATED
+    assert stubs["keyed"].Generate(pb.GenerateRequest(**{**ok, "model": "tiny"}), metadata=key_md("s3cret")).text
     # a normal request right after
-    assert stub.Generate(pb.GenerateRequest(**ok), metadata=app_md("spec")).usage.completion_tokens >= 1
+    assert stubs["spec"].Generate(pb.GenerateRequest(**ok)).usage.completion_tokens >= 1
 
 
-def test_grpc_queue_full_and_cancel(base, stub):
+def test_grpc_queue_full_and_cancel(base, stubs):
     import grpc
 
     from tandem_proto import tandem_pb2 as pb
 
     long = pb.GenerateRequest(model=TARGET, prompt="hello", max_tokens=150, ignore_eos=True)
-    futures = [stub.Generate.future(long, metadata=app_md("small")) for _ in range(6)]
+    futures = [stubs["small"].Generate.future(long) for _ in range(6)]
     codes = []
     for f in futures:
         try:
@@ -232,8 +227,7 @@ def test_grpc_queue_full_and_cancel(base, stub):
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes
     # a cancelled stream aborts its request
     start = metric(base, "small", "generation_tokens_total")
-    call = stub.GenerateStream(pb.GenerateRequest(model=TARGET, prompt="hello", max_tokens=2000, ignore_eos=True),
-                               metadata=app_md("small"))
+    call = stubs["small"].GenerateStream(pb.GenerateRequest(model=TARGET, prompt="hello", max_tokens=2000, ignore_eos=True))
     next(call)
     call.cancel()
     wait_until_idle(base, "small")
@@ -244,15 +238,15 @@ def test_grpc_queue_full_and_cancel(base, stub):
     assert metric(base, "small", "num_requests_running") == 0
 
 
-def test_metrics_match_per_request_stats(base, stub):
+def test_metrics_match_per_request_stats(base, stubs):
     """/metrics counters move by exactly the spec-decode stats the requests report."""
     from tandem_proto import tandem_pb2 as pb
 
     names = ["spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
              "spec_decode_num_accepted_tokens_total", "generation_tokens_total"]
     before = {n: metric(base, "spec", n) for n in names}
-    replies = [stub.Generate(pb.GenerateRequest(model=TARGET, prompt=p, max_tokens=n, temperature=t,
-                                                ignore_eos=True, seed=1), metadata=app_md("spec"))
+    replies = [stubs["spec"].Generate(pb.GenerateRequest(model=TARGET, prompt=p, max_tokens=n, temperature=t,
+                                                ignore_eos=True, seed=1))
                for p, n, t in [("abc", 20, 0.0), ("hello there", 13, 1.0), ("x", 7, 0.5)]]
     after = {n: metric(base, "spec", n) for n in names}
     assert after["spec_decode_num_drafts_total"] - before["spec_decode_num_drafts_total"] == \
