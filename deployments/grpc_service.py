@@ -2,8 +2,7 @@
 
 The coordinator serves it itself, from a grpc.aio server on its own thread and event loop, bound to
 `grpc_host:grpc_port` (loopback by default, like HTTP). Ray Serve's gRPC proxy always binds every
-interface and does not reliably abort a cancelled stream; here a client's cancel cancels the handler
-task, whose `finally` aborts the request.
+interface and does not reliably abort a cancelled stream; here the call's done-callback aborts it.
 """
 from __future__ import annotations
 
@@ -68,6 +67,7 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
         try:
             prepared = await self._prepare(request, context, rid)
             (stream,) = self.layer.start(prepared)
+            context.add_done_callback(lambda _: stream.abort())  # a cancelled call frees its slot
             done = await collect(stream)
         except RequestError as e:
             await _abort(context, e, rid)
@@ -82,6 +82,9 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
             (stream,) = self.layer.start(prepared)
         except RequestError as e:
             await _abort(context, e, rid)
+        # grpc.aio does not cancel a streaming handler when its client cancels (writes to the dead
+        # call are dropped): the call's end frees the slot
+        context.add_done_callback(lambda _: stream.abort())
         completion = 0
         try:
             async for delta in stream:

@@ -28,7 +28,7 @@ from engine.async_engine import AsyncEngine, RequestStream
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_HEADER = "x-tandem-request-id"  # x-request-id is Serve's own
 
 
 def error_response(error: RequestError, request_id: str | None = None) -> JSONResponse:

@@ -1,0 +1,366 @@
+"""Hostile input against a real server (Ray Serve on 127.0.0.1, its own free ports), over HTTP and gRPC.
+
+Each case asserts: the status (or gRPC code), the error's shape with a request id, no internals
+(traceback, path, PID, IP, actor id, escape codes), that a bystander stream running at the same
+time completes with exactly its idle text, and that no model worker restarted.
+"""
+import asyncio
+import json
+import os
+import re
+import socket
+
+import grpc
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import build_app
+from tandem_proto import tandem_pb2 as pb
+from tandem_proto import tandem_pb2_grpc
+
+TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
+MAX_MODEL_LEN = 256
+MAX_REQUEST_BYTES = 256 * 1024
+INTERNALS = re.compile(r"Traceback|File \"|\.py\b|site-packages|/root|/tmp/|/home/|\bpid\b|\bPID\b|"
+                       r"\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b|actor|Actor|\x1b\[|ray\.|RayTaskError")
+BYSTANDER = {"model": TARGET, "prompt": "the quiet bystander", "max_tokens": 48, "temperature": 0,
+             "ignore_eos": True, "stream": True}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    port, grpc_port = free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model": TARGET, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
+                         "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3},
+                         "served_model_name": "hostile-suite", "grpc_port": grpc_port,
+                         "max_request_bytes": MAX_REQUEST_BYTES}),
+              name="hostile", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    # our own server: it serves the name this fixture gave it
+    assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "hostile-suite"
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    stub = tandem_pb2_grpc.TandemServiceStub(channel)
+    assert stub.ListModels(pb.ListModelsRequest()).models[0].id == "hostile-suite"
+    yield {"base": base, "stub": stub, "grpc": f"127.0.0.1:{grpc_port}"}
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def worker_pids() -> set[int]:
+    """PIDs of the live model-group actors (a restart replaces them). Ray's state API needs the
+    dashboard, which these tests don't start; the GCS table has the same facts."""
+    from ray._private.state import actors
+
+    return {a["Pid"] for a in actors().values() if a.get("ActorClassName") == "GroupRank" and a["State"] == "ALIVE"}
+
+
+async def stream_text(http: httpx.AsyncClient, base: str, started: asyncio.Event) -> str:
+    text = ""
+    async with http.stream("POST", f"{base}/v1/completions", json={**BYSTANDER, "model": "hostile-suite"}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text += event["choices"][0]["text"]
+            started.set()
+    return text
+
+
+@pytest.fixture(scope="module")
+def idle_text(server):
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await stream_text(http, server["base"], asyncio.Event())
+    return asyncio.run(main())
+
+
+def with_bystander(server, idle_text, attack):
+    """Run `attack(http)` while a bystander streams; return the attack's result."""
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            started = asyncio.Event()
+            bystander = asyncio.create_task(stream_text(http, server["base"], started))
+            await asyncio.wait_for(started.wait(), 30)
+            result = await attack(http)
+            assert await bystander == idle_text
+            return result
+    before = worker_pids()
+    assert len(before) == 2  # one target rank, one draft rank
+    result = asyncio.run(main())
+    assert worker_pids() == before, "a model worker restarted"
+    return result
+
+
+M = "hostile-suite"
+OK = {"model": M, "prompt": "hi", "max_tokens": 4}
+HUGE_TEXT = "hello world " * 20_000  # 240 KB: under the body limit, over max_model_len
+
+# (name, path, body (dict, or bytes sent as-is), expected status)
+HTTP_CASES = [
+    ("tiny-temperature-is-greedy", "completions", {**OK, "temperature": 1e-39}, 200),
+    ("tiny-temperature-stream", "completions", {**OK, "temperature": 1e-39, "stream": True}, 200),
+    ("stop-id-above-vocab-with-min-tokens", "completions", {**OK, "stop_token_ids": [1000000], "min_tokens": 4}, 400),
+    ("stop-id-negative", "completions", {**OK, "stop_token_ids": [-1000000], "min_tokens": 4}, 400),
+    ("stop-id-2^63", "completions", {**OK, "stop_token_ids": [2**63], "min_tokens": 4}, 400),
+    ("lone-surrogate-prompt", "completions", {**OK, "prompt": "\ud800abc"}, 400),
+    ("lone-surrogate-stop", "completions", {**OK, "stop": ["\udfff"]}, 400),
+    ("chat-text-part-not-string", "chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}, 400),
+    ("chat-image-part", "chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("chat-role-tool", "chat/completions", {"model": M, "messages": [{"role": "tool", "content": "x"}]}, 400),
+    ("chat-no-messages", "chat/completions", {"model": M, "messages": []}, 400),
+    ("chat-surrogate", "chat/completions", {"model": M, "messages": [{"role": "user", "content": "\ud83d"}]}, 400),
+    ("chat-huge", "chat/completions", {"model": M, "messages": [{"role": "user", "content": HUGE_TEXT}]}, 400),
+    ("best_of", "completions", {**OK, "best_of": 3}, 400),
+    ("presence_penalty", "completions", {**OK, "presence_penalty": 0.5}, 400),
+    ("frequency_penalty", "chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1}, 400),
+    ("logit_bias", "completions", {**OK, "logit_bias": {"5": 100}}, 400),
+    ("response_format", "chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400),
+    ("tools", "chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}],
+                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("suffix", "completions", {**OK, "suffix": "tail"}, 400),
+    ("logprobs", "completions", {**OK, "logprobs": 5}, 400),
+    ("neutral-defaults-accepted", "completions",
+     {**OK, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1}, 200),
+    ("unknown-field", "completions", {**OK, "frobnicate": True}, 400),
+    ("temperature-negative", "completions", {**OK, "temperature": -1}, 400),
+    ("temperature-string", "completions", {**OK, "temperature": "hot"}, 400),
+    ("temperature-nan", "completions", b'{"model": "hostile-suite", "prompt": "hi", "temperature": NaN}', 400),
+    ("temperature-infinity", "completions", b'{"model": "hostile-suite", "prompt": "hi", "temperature": Infinity}', 400),
+    ("top_p-zero", "completions", {**OK, "top_p": 0}, 400),
+    ("top_p-above-one", "completions", {**OK, "top_p": 1.5}, 400),
+    ("top_k-zero", "completions", {**OK, "top_k": 0}, 400),
+    ("max_tokens-zero", "completions", {**OK, "max_tokens": 0}, 400),
+    ("max_tokens-above-context", "completions", {**OK, "max_tokens": 10**9}, 400),
+    ("max_tokens-2^70", "completions", {**OK, "max_tokens": 2**70}, 400),
+    ("n-zero", "completions", {**OK, "n": 0}, 400),
+    ("n-huge", "completions", {**OK, "n": 10_000}, 400),
+    ("min-above-max", "completions", {**OK, "min_tokens": 10}, 400),
+    ("empty-prompt", "completions", {**OK, "prompt": ""}, 400),
+    ("empty-prompt-list", "completions", {**OK, "prompt": []}, 400),
+    ("token-id-out-of-range", "completions", {**OK, "prompt": [1, 10**6]}, 400),
+    ("mixed-prompt-list", "completions", {**OK, "prompt": [[1, 2], "a"]}, 400),
+    ("too-many-prompts", "completions", {**OK, "prompt": ["a"] * 1000}, 400),
+    ("prompt-over-context", "completions", {**OK, "prompt": "hello " * 300}, 400),
+    ("prompt-huge", "completions", {**OK, "prompt": HUGE_TEXT}, 400),
+    ("empty-stop-string", "completions", {**OK, "stop": [""]}, 400),
+    ("too-many-stop-strings", "completions", {**OK, "stop": [f"s{i}" for i in range(100)]}, 400),
+    ("seed-2^70", "completions", {**OK, "seed": 2**70}, 200),
+    ("unknown-model", "completions", {**OK, "model": "gpt-4"}, 404),
+    ("null-model", "completions", {**OK, "model": None}, 400),
+    ("not-json", "completions", b"{not json", 400),
+    ("json-array", "completions", b"[1, 2, 3]", 400),
+    ("empty-body", "completions", b"", 400),
+    ("deep-json", "completions", b"[" * 50_000 + b"]" * 50_000, 400),
+    ("bad-param-on-stream", "completions", {**OK, "stream": True, "top_p": 7}, 400),
+    ("body-over-limit", "completions", b"x" * (MAX_REQUEST_BYTES + 1), 413),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
+def test_http_hostile_input(server, idle_text, name, path, body, status):
+    async def attack(http: httpx.AsyncClient):
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return await http.post(f"{server['base']}/v1/{path}", content=content,
+                               headers={"content-type": "application/json"})
+
+    r = with_bystander(server, idle_text, attack)
+    assert r.status_code == status, r.text
+    assert not INTERNALS.search(r.text), r.text
+    if status != 200:
+        check_error_body(r)
+
+
+def check_error_body(r: httpx.Response) -> None:
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    assert error["request_id"] and r.headers["x-tandem-request-id"] == error["request_id"]
+
+
+def test_http_routing_and_chunked_errors_use_openai_shape(server, idle_text):
+    async def attack(http: httpx.AsyncClient):
+        async def chunked():
+            for _ in range(MAX_REQUEST_BYTES // 4096 + 2):
+                yield b"x" * 4096
+        return [await http.get(f"{server['base']}/v1/nope"),
+                await http.post(f"{server['base']}/v1/models"),
+                await http.put(f"{server['base']}/v1/completions", json=OK),
+                await http.post(f"{server['base']}/v1/completions", content=chunked())]
+
+    responses = with_bystander(server, idle_text, attack)
+    assert [r.status_code for r in responses] == [404, 405, 405, 413]
+    for r in responses:
+        assert not INTERNALS.search(r.text), r.text
+        check_error_body(r)
+
+
+def test_big_body_does_not_stall_other_streams(server):
+    """A body at the size limit is refused without holding the event loop: a concurrent stream's gap
+    between chunks stays under a second."""
+    body = json.dumps({**OK, "prompt": "z" * (MAX_REQUEST_BYTES - 200)}).encode()
+    assert len(body) <= MAX_REQUEST_BYTES
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            arrivals = []
+
+            async def watch():
+                req = {**BYSTANDER, "model": M, "max_tokens": 120}
+                async with http.stream("POST", f"{server['base']}/v1/completions", json=req) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            arrivals.append(asyncio.get_running_loop().time())
+
+            task = asyncio.create_task(watch())
+            while not arrivals:
+                await asyncio.sleep(0.01)
+            codes = [(await http.post(f"{server['base']}/v1/completions", content=body)).status_code
+                     for _ in range(5)]
+            await task
+            return codes, max(b - a for a, b in zip(arrivals, arrivals[1:]))
+    codes, worst_gap = asyncio.run(main())
+    assert codes == [400] * 5
+    assert worst_gap < 1.0
+
+
+# -- gRPC ----------------------------------------------------------------------------------------
+
+G = dict(model=M, prompt="hi", max_tokens=4)
+GRPC_CASES = [
+    ("tiny-temperature-is-greedy", dict(G, temperature=1e-39), grpc.StatusCode.OK),
+    ("stop-id-above-vocab-with-min-tokens", dict(G, stop_token_ids=[1000000], min_tokens=4),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("stop-id-negative", dict(G, stop_token_ids=[-1000000], min_tokens=4), grpc.StatusCode.INVALID_ARGUMENT),
+    ("role-tool", dict(model=M, messages=[pb.ChatMessage(role="tool", content="x")]), grpc.StatusCode.INVALID_ARGUMENT),
+    ("role-empty", dict(model=M, messages=[pb.ChatMessage(content="x")]), grpc.StatusCode.INVALID_ARGUMENT),
+    ("no-prompt", dict(model=M, max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT),
+    ("prompt-and-messages", dict(G, messages=[pb.ChatMessage(role="user", content="x")]),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("token-id-out-of-range", dict(model=M, prompt_token_ids=[1, 10**6]), grpc.StatusCode.INVALID_ARGUMENT),
+    ("token-id-negative", dict(model=M, prompt_token_ids=[-5]), grpc.StatusCode.INVALID_ARGUMENT),
+    ("max_tokens-negative", dict(G, max_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT),
+    ("max_tokens-int32-max", dict(G, max_tokens=2**31 - 1), grpc.StatusCode.INVALID_ARGUMENT),
+    ("temperature-nan", dict(G, temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
+    ("temperature-inf", dict(G, temperature=float("inf")), grpc.StatusCode.INVALID_ARGUMENT),
+    ("top_p-zero", dict(G, top_p=0), grpc.StatusCode.INVALID_ARGUMENT),
+    ("top_k-zero", dict(G, top_k=0), grpc.StatusCode.INVALID_ARGUMENT),
+    ("min-above-max", dict(G, min_tokens=10), grpc.StatusCode.INVALID_ARGUMENT),
+    ("empty-stop-string", dict(G, stop=[""]), grpc.StatusCode.INVALID_ARGUMENT),
+    ("prompt-over-context", dict(G, prompt="hello " * 300), grpc.StatusCode.INVALID_ARGUMENT),
+    ("prompt-huge", dict(G, prompt=HUGE_TEXT), grpc.StatusCode.INVALID_ARGUMENT),
+    ("message-over-limit", dict(G, prompt="x" * (MAX_REQUEST_BYTES + 10)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ("unknown-model", dict(G, model="gpt-4"), grpc.StatusCode.NOT_FOUND),
+    ("seed-int64-max", dict(G, seed=2**63 - 1), grpc.StatusCode.OK),
+]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("name, fields, code", GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
+def test_grpc_hostile_input(server, idle_text, name, fields, code, streaming):
+    stub = server["stub"]
+
+    def call():
+        request = pb.GenerateRequest(**fields)
+        try:
+            if streaming:
+                list(stub.GenerateStream(request, timeout=60))
+            else:
+                stub.Generate(request, timeout=60)
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+
+    async def attack(http):
+        return await asyncio.to_thread(call)
+
+    got, details = with_bystander(server, idle_text, attack)
+    assert got == code, details
+    assert not INTERNALS.search(details or ""), details
+    if code not in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        assert re.search(r"\(request id grpc-[0-9a-f]{32}\)$", details), details
+
+
+# -- cancellation --------------------------------------------------------------------------------
+
+def engine_load(base: str) -> tuple[float, float]:
+    values = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        for name in ("num_requests_running", "num_requests_waiting"):
+            if line.startswith(f"tandem:{name}"):
+                values[name] = float(line.split()[-1])
+    return values["num_requests_running"], values["num_requests_waiting"]
+
+
+def drained_within(base: str, seconds: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if engine_load(base) == (0.0, 0.0):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def finished_by_length(base: str) -> float:
+    return sum(float(line.split()[-1]) for line in httpx.get(f"{base}/metrics").text.splitlines()
+               if line.startswith("tandem:request_success_total") and 'finished_reason="length"' in line)
+
+
+def test_fifty_cancelled_grpc_streams_free_their_slots(server):
+    import grpc.aio
+
+    before = finished_by_length(server["base"])
+
+    async def main():
+        async with grpc.aio.insecure_channel(server["grpc"]) as channel:
+            stub = tandem_pb2_grpc.TandemServiceStub(channel)
+            request = pb.GenerateRequest(model=M, prompt="hello", max_tokens=240, ignore_eos=True)
+            calls = [stub.GenerateStream(request) for _ in range(50)]
+            while engine_load(server["base"])[0] < 4:  # all slots generating, the rest waiting
+                await asyncio.sleep(0.01)
+            for c in calls:
+                c.cancel()
+            return [await c.code() for c in calls]
+    codes = asyncio.run(main())
+    assert codes == [grpc.StatusCode.CANCELLED] * 50
+    assert drained_within(server["base"], 2.0), engine_load(server["base"])
+    assert finished_by_length(server["base"]) == before  # none ran to max_tokens
+
+
+def test_fifty_cancelled_http_streams_free_their_slots(server):
+    before = finished_by_length(server["base"])
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def one():
+                req = {"model": M, "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                async with http.stream("POST", f"{server['base']}/v1/completions", json=req) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            return  # the first chunk: drop the connection
+            tasks = [asyncio.create_task(one()) for _ in range(50)]
+            await asyncio.sleep(0.5)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(main())
+    assert drained_within(server["base"], 2.0), engine_load(server["base"])
+    assert finished_by_length(server["base"]) == before  # none ran to max_tokens
