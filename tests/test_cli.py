@@ -39,3 +39,82 @@ def test_bad_speculative_config_fails_before_starting():
 def test_unknown_command():
     r = subprocess.run([TANDEM, "bench"], capture_output=True, text=True)
     assert r.returncode != 0 and "unknown command" in r.stderr
+
+
+def test_api_key_in_yaml_args_is_refused():
+    from deployments.app import build_app
+
+    with pytest.raises(ValueError, match="api_key_env"):
+        build_app({"model": "random:tiny-llama", "api_key": "sk-123"})
+    assert "sk-123" not in repr(parse_args({"model": "random:tiny-llama", "api_key": "sk-123"}))
+
+
+def test_tandem_serve_serves_http_and_grpc_with_a_key_that_never_reaches_a_log():
+    """`tandem serve` with the key in $TANDEM_API_KEY: HTTP and gRPC on the host given, both demand the
+    key, and the key is in no file Ray wrote and in no process's command line."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import tempfile
+    import time
+    import uuid
+
+    import grpc
+    import httpx
+    import psutil
+
+    from tandem_proto import tandem_pb2 as pb
+    from tandem_proto import tandem_pb2_grpc
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    secret = f"sk-{uuid.uuid4().hex}"
+    port, grpc_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(TANDEM_API_KEY=secret, RAY_TMPDIR=str(tmp_path))  # Ray's logs in a folder we can search
+    proc = subprocess.Popen([TANDEM, "serve", "random:tiny-llama", "--host", "127.0.0.1", "--port", str(port),
+                             "--grpc-port", str(grpc_port), "--max-model-len", "128"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "tandem serve did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        listening = {c.laddr.port: c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert listening[grpc_port].laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1")  # gRPC binds where HTTP binds
+        assert os.getsid(listening[grpc_port].pid) == proc.pid  # and it is ours
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": "random:tiny-llama", "prompt": "hi", "max_tokens": 3}
+        assert httpx.post(url, json=body).status_code == 401
+        assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = tandem_pb2_grpc.TandemServiceStub(channel)
+            request = pb.GenerateRequest(model="random:tiny-llama", prompt="hi", max_tokens=3)
+            with pytest.raises(grpc.RpcError) as denied:
+                stub.Generate(request)
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stub.Generate(request, metadata=[("authorization", f"Bearer {secret}")]).usage.completion_tokens == 3
+        for p in psutil.process_iter(["cmdline"]):
+            assert secret not in " ".join(p.info["cmdline"] or [])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    logs = [f for f in tmp_path.rglob("*") if f.is_file() and not f.is_symlink()]
+    assert any(f.suffix in (".log", ".out", ".err") for f in logs)
+    leaked = [str(f) for f in logs if secret.encode() in f.read_bytes()]
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    assert leaked == []

@@ -81,15 +81,19 @@ def test_serve_config_parses(path):
     app = config["applications"][0]
     assert app["import_path"] == "deployments.app:build_app"
     parse_args(app["args"])  # and ours: every key and rule of the speculative config
-    assert config["http_options"]["port"] == 8000 and config["grpc_options"]["port"] == 9000
+    assert config["http_options"]["port"] == 8000 and app["args"]["grpc_port"] == 9000
+    assert "grpc_options" not in config  # Serve's gRPC proxy binds every interface; the coordinator serves gRPC
+    assert "api_key" not in app["args"]  # Ray logs args: keys come from the environment
 
 
 def test_cpu_demo_is_serve_config_yaml():
     ours = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     k8s = serve_config_of(ROOT / "k8s" / "rayservice-cpu.yaml")
-    assert k8s["applications"] == ours["applications"]
-    assert k8s["grpc_options"] == ours["grpc_options"]
-    assert k8s["http_options"]["host"] == "0.0.0.0"  # reachable from the Service, unlike the local default
+    strip = lambda app: {**app, "args": {k: v for k, v in app["args"].items() if k != "grpc_host"}}  # noqa: E731
+    assert [strip(a) for a in k8s["applications"]] == [strip(a) for a in ours["applications"]]
+    # reachable from the Service, unlike the local default (loopback for both)
+    assert k8s["http_options"]["host"] == "0.0.0.0" and k8s["applications"][0]["args"]["grpc_host"] == "0.0.0.0"
+    assert ours["http_options"]["host"] == "127.0.0.1" and ours["applications"][0]["args"]["grpc_host"] == "127.0.0.1"
 
 
 def test_gpu_example():

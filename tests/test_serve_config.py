@@ -1,11 +1,19 @@
-"""The shipped serve_config.yaml, started as a user starts it (`serve run serve_config.yaml`),
-driven with the official openai client and raw HTTP."""
+"""The shipped serve_config.yaml, started as a user starts it (`serve run <config>`), driven with the
+official openai client, raw HTTP and gRPC.
+
+The config is the shipped file with only its two ports moved to free ones, and the test checks that
+the processes answering on them belong to the `serve run` it started (a server already on 8000
+must not be tested in its place)."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
+import yaml
 
 import httpx
 import openai
@@ -15,14 +23,36 @@ from conftest import GEMMA3
 from engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = "http://127.0.0.1:8000"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+HTTP_PORT, GRPC_PORT = free_port(), free_port()
+BASE = f"http://127.0.0.1:{HTTP_PORT}"
+
+
+def owned_by(session_leader: int, port: int) -> bool:
+    """Whether the process listening on 127.0.0.1:port is in the session `serve run` leads."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return os.getsid(conn.pid) == session_leader
+    return False
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = HTTP_PORT
+    config["applications"][0]["args"]["grpc_port"] = GRPC_PORT
+    path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
     serve_bin = Path(sys.executable).parent / "serve"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local cluster
-    proc = subprocess.Popen([str(serve_bin), "run", "serve_config.yaml"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 420
@@ -36,6 +66,8 @@ def server():
             time.sleep(2)
         else:
             pytest.fail("serve run serve_config.yaml did not become healthy in 420 s")
+        assert owned_by(proc.pid, HTTP_PORT), "another process answers on the HTTP port"
+        assert owned_by(proc.pid, GRPC_PORT), "another process answers on the gRPC port"
         yield proc
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -98,7 +130,7 @@ def test_chat_completion_and_stream(client):
 def expect_error(response: httpx.Response, status: int, type_: str | None = None):
     assert response.status_code == status, response.text
     body = response.json()
-    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code", "request_id"} and body["error"]["message"]
     assert "Traceback" not in response.text
     if type_:
         assert body["error"]["type"] == type_
@@ -130,16 +162,15 @@ def test_health_and_metrics(client):
     assert drafts and drafts[0] > 0
 
 
-def test_grpc_on_port_9000_matches_http(client):
+def test_grpc_matches_http(client):
     import grpc
 
     from tandem_proto import tandem_pb2 as pb
     from tandem_proto import tandem_pb2_grpc
 
     http = client.completions.create(model=GEMMA3, prompt="The sky is", max_tokens=16, temperature=0)
-    with grpc.insecure_channel("127.0.0.1:9000") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
         stub = tandem_pb2_grpc.TandemServiceStub(channel)
-        reply = stub.Generate(pb.GenerateRequest(model=GEMMA3, prompt="The sky is", max_tokens=16, temperature=0),
-                              metadata=[("application", "tandem")])
+        reply = stub.Generate(pb.GenerateRequest(model=GEMMA3, prompt="The sky is", max_tokens=16, temperature=0))
     assert reply.text == http.choices[0].text
     assert reply.usage.completion_tokens == http.usage.completion_tokens
