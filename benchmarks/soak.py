@@ -6,6 +6,9 @@ coordinator and worker processes before and after. Its own Ray cluster and Serve
 loopback ports; bounded in time. Tiny random models by default (the machine has 2 cores).
 
     .venv/bin/python benchmarks/soak.py --duration 120
+    .venv/bin/python benchmarks/soak.py --duration 120 --default-app --out soak_default_app.json
+
+The knee is taken as max_num_seqs (every slot busy), not measured; clients = 2 x knee.
 """
 from __future__ import annotations
 
@@ -62,11 +65,18 @@ async def main(args) -> dict:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    model = args.model
-    serve.run(build_app({"model": model, "max_num_seqs": args.max_num_seqs, "max_model_len": 256,
-                         "max_queued_requests": args.max_num_seqs * 4, "grpc_port": grpc_port,
-                         "speculative_config": {"model": args.draft, "num_speculative_tokens": 3}}),
-              name="soak", route_prefix="/")
+    if args.default_app:  # serve_config.yaml's application, on our own ports
+        import yaml
+
+        app_args = yaml.safe_load((Path(__file__).parent.parent / "serve_config.yaml").read_text())
+        app_args = {**app_args["applications"][0]["args"], "grpc_port": grpc_port}
+    else:
+        app_args = {"model": args.model, "max_num_seqs": args.max_num_seqs, "max_model_len": 256,
+                    "max_queued_requests": args.max_num_seqs * 4, "grpc_port": grpc_port,
+                    "speculative_config": {"model": args.draft, "num_speculative_tokens": 3}}
+    model = app_args["model"]
+    args.max_num_seqs = app_args["max_num_seqs"]
+    serve.run(build_app(app_args), name="soak", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     knee = args.max_num_seqs  # throughput stops growing once every slot is busy
     clients = 2 * knee
@@ -79,11 +89,13 @@ async def main(args) -> dict:
         async def http_text(prompt: str, stream: bool, extra: dict | None = None) -> tuple[int, str]:
             body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": stream, **(extra or {})}
+            content = json.dumps(body).encode()  # ASCII escapes: a lone surrogate travels as \ud800
+            headers = {"content-type": "application/json"}
             if not stream:
-                r = await http.post(f"{base}/v1/completions", json=body)
+                r = await http.post(f"{base}/v1/completions", content=content, headers=headers)
                 return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
             text = ""
-            async with http.stream("POST", f"{base}/v1/completions", json=body) as r:
+            async with http.stream("POST", f"{base}/v1/completions", content=content, headers=headers) as r:
                 if r.status_code != 200:
                     return r.status_code, (await r.aread()).decode()
                 async for line in r.aiter_lines():
@@ -134,7 +146,7 @@ async def main(args) -> dict:
         await asyncio.gather(*(client(i) for i in range(clients)))
         elapsed = time.monotonic() - start
     after = worker_processes()
-    result = {"model": model, "draft": args.draft, "max_num_seqs": args.max_num_seqs, "clients": clients,
+    result = {"model": model, "draft": app_args["speculative_config"]["model"], "max_num_seqs": args.max_num_seqs, "clients": clients,
               "duration_s": round(elapsed, 1), "max_tokens": args.max_tokens, **counts,
               "worker_restarts": len(set(before.values()) - set(after.values())),
               "rss_before_mb": round(rss_before, 1), "rss_after_mb": round(rss_mb(after.values()), 1),
@@ -152,6 +164,8 @@ if __name__ == "__main__":
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--hostile-fraction", type=float, default=0.1)
+    parser.add_argument("--default-app", action="store_true", help="serve_config.yaml's app (real models)")
+    parser.add_argument("--out", default="soak.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
     result = asyncio.run(main(args))
     print(f"{'clients':>8} {'secs':>6} {'sent':>6} {'ok':>6} {'429':>5} {'4xx':>5} {'errors':>6} "
@@ -162,4 +176,4 @@ if __name__ == "__main__":
     for sample in result["error_samples"]:
         print("error:", sample)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / args.out).write_text(json.dumps(result, indent=2) + "\n")
