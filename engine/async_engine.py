@@ -13,7 +13,6 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 

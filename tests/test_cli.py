@@ -55,22 +55,16 @@ def test_tandem_serve_serves_http_and_grpc_with_a_key_that_never_reaches_a_log()
     import os
     import shutil
     import signal
-    import socket
     import tempfile
-    import time
     import uuid
 
     import grpc
     import httpx
     import psutil
 
+    from servers import free_port, listener, owned_by_session, wait_healthy
     from tandem_proto import tandem_pb2 as pb
     from tandem_proto import tandem_pb2_grpc
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     tmp_path = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     secret = f"sk-{uuid.uuid4().hex}"
@@ -81,18 +75,9 @@ def test_tandem_serve_serves_http_and_grpc_with_a_key_that_never_reaches_a_log()
                              "--grpc-port", str(grpc_port), "--max-model-len", "128"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "tandem serve did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        listening = {c.laddr.port: c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-        assert listening[grpc_port].laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1")  # gRPC binds where HTTP binds
-        assert os.getsid(listening[grpc_port].pid) == proc.pid  # and it is ours
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout_s=300)
+        assert owned_by_session(port, proc.pid) and owned_by_session(grpc_port, proc.pid)  # ours
+        assert listener(grpc_port).laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1")  # gRPC binds where HTTP binds
         url = f"http://127.0.0.1:{port}/v1/completions"
         body = {"model": "random:tiny-llama", "prompt": "hi", "max_tokens": 3}
         assert httpx.post(url, json=body).status_code == 401

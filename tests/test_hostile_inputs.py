@@ -6,9 +6,7 @@ time completes with exactly its idle text, and that no model worker restarted.
 """
 import asyncio
 import json
-import os
 import re
-import socket
 
 import grpc
 import httpx
@@ -17,6 +15,7 @@ import ray
 from ray import serve
 
 from deployments.app import build_app
+from servers import free_port, owned_by_session
 from tandem_proto import tandem_pb2 as pb
 from tandem_proto import tandem_pb2_grpc
 
@@ -28,11 +27,6 @@ INTERNALS = re.compile(r"Traceback|File \"|\.py\b|site-packages|/root|/tmp/|/hom
 BYSTANDER = {"model": TARGET, "prompt": "the quiet bystander", "max_tokens": 48, "temperature": 0,
              "ignore_eos": True, "stream": True}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,8 @@ def server():
                          "max_request_bytes": MAX_REQUEST_BYTES}),
               name="hostile", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
-    # our own server: it serves the name this fixture gave it
+    # our own server: this process's Ray listens on both ports, and it serves the name given here
+    assert owned_by_session(port) and owned_by_session(grpc_port)
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "hostile-suite"
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     stub = tandem_pb2_grpc.TandemServiceStub(channel)
@@ -364,3 +359,16 @@ def test_fifty_cancelled_http_streams_free_their_slots(server):
     asyncio.run(main())
     assert drained_within(server["base"], 2.0), engine_load(server["base"])
     assert finished_by_length(server["base"]) == before  # none ran to max_tokens
+
+
+def test_nothing_above_was_logged_as_an_exception(server):
+    """Hostile input, disconnects and cancels are normal events: the replica's log has no traceback
+    and no asyncio complaint (runs last in this module; its log covers every case above)."""
+    from pathlib import Path
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    logs = list((session / "logs" / "serve").glob("replica_hostile_*"))
+    assert logs
+    text = "\n".join(p.read_text(errors="replace") for p in logs)
+    for marker in ("Traceback", "aclose(): asynchronous generator", "Task exception was never retrieved"):
+        assert marker not in text, marker

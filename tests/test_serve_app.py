@@ -1,7 +1,6 @@
 """Ray Serve apps built with build_app() on a local cluster: speculation on vs off, API keys, queue
 limits, client disconnects. Tiny random models keep each app cheap."""
 import asyncio
-import socket
 import time
 
 import httpx
@@ -10,16 +9,12 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.app import build_app, make_app, parse_args
+from deployments.app import build_app
+from servers import free_port, owned_by_session
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 SPEC = {"model": DRAFT, "num_speculative_tokens": 3}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +34,7 @@ def server(tmp_path_factory):
     for name, args in apps.items():
         grpc_ports[name] = free_port()
         serve.run(build_app({**args, "grpc_port": grpc_ports[name]}), name=name, route_prefix=f"/{name}")
+    assert all(owned_by_session(p) for p in [port, *grpc_ports.values()])  # our own servers answer
     yield {"http": f"http://127.0.0.1:{port}", "grpc": {n: f"127.0.0.1:{p}" for n, p in grpc_ports.items()}}
     serve.shutdown()
     ray.shutdown()

@@ -6,13 +6,10 @@ the processes answering on them belong to the `serve run` it started (a server a
 must not be tested in its place)."""
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import yaml
 
 import httpx
@@ -20,27 +17,16 @@ import openai
 import pytest
 
 from conftest import GEMMA3
+from servers import free_port, owned_by_session, wait_healthy
 from engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 HTTP_PORT, GRPC_PORT = free_port(), free_port()
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
 
-
-def owned_by(session_leader: int, port: int) -> bool:
-    """Whether the process listening on 127.0.0.1:port is in the session `serve run` leads."""
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return os.getsid(conn.pid) == session_leader
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +41,9 @@ def server(tmp_path_factory):
     proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "serve run exited early"
-            try:
-                if httpx.get(f"{BASE}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("serve run serve_config.yaml did not become healthy in 420 s")
-        assert owned_by(proc.pid, HTTP_PORT), "another process answers on the HTTP port"
-        assert owned_by(proc.pid, GRPC_PORT), "another process answers on the gRPC port"
+        wait_healthy(f"{BASE}/health", proc)
+        assert owned_by_session(HTTP_PORT, proc.pid), "another process answers on the HTTP port"
+        assert owned_by_session(GRPC_PORT, proc.pid), "another process answers on the gRPC port"
         yield proc
     finally:
         os.killpg(proc.pid, signal.SIGINT)

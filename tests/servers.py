@@ -1,0 +1,47 @@
+"""Helpers for tests that run servers: free loopback ports, waiting for health, and proof that the
+process answering on a port is the test's own (a server someone else left on the port must not be
+tested in its place)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import httpx
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listener(port: int):
+    """The listening TCP socket on `port` (psutil's connection record), or None."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn
+    return None
+
+
+def owned_by_session(port: int, session_leader: int | None = None) -> bool:
+    """Whether the process listening on `port` is in the session of `session_leader` (a server started
+    with start_new_session=True), or in this test process's own session (Ray started in-process)."""
+    conn = listener(port)
+    expected = session_leader if session_leader is not None else os.getsid(0)
+    return conn is not None and os.getsid(conn.pid) == expected
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 420.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, "the server exited early"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} did not become healthy in {timeout_s:.0f} s")
