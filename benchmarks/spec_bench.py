@@ -96,7 +96,7 @@ def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens:
                    "adaptive": k == "adaptive"}
             if alpha is not None:
                 cfg.update(rejection_sample_method="synthetic",
-                           synthetic_acceptance_rates=[alpha] * cfg["num_speculative_tokens"])
+                           synthetic_acceptance_rates=[alpha ** (i + 1) for i in range(cfg["num_speculative_tokens"])])
             state = SpecState(core, SpeculativeConfig.model_validate(cfg))
             tps, plain_tps = run_against_plain(core, state, plain, params, PROMPTS)
             stats = state.stats

@@ -102,21 +102,21 @@ class SpeculativeConfig(BaseModel):
         return self
 
     def synthetic_rates(self) -> list[float]:
-        """Conditional acceptance rate per position for synthetic mode.
+        """Unconditional acceptance per position for synthetic mode, as vLLM defines it: entry i is
+        the probability that the first i+1 drafts are all accepted.
 
-        From a target mean acceptance length L, one constant rate r solves 1 + r + ... + r^K = L.
+        A target mean acceptance length L resolves to the minimum-variance schedule: the first
+        floor(L - 1) drafts always accepted, the next with the fractional part, the rest never
+        (2.6 at K=3 -> [1.0, 0.6, 0.0]; 3.5 at K=4 -> [1.0, 1.0, 0.5, 0.0]).
         """
         if self.synthetic_acceptance_rates is not None:
             return list(self.synthetic_acceptance_rates)
-        k, target = self.num_speculative_tokens, self.synthetic_acceptance_length
-        lo, hi = 0.0, 1.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            if sum(mid**i for i in range(k + 1)) < target:
-                lo = mid
-            else:
-                hi = mid
-        return [lo] * k
+        k, mean_accepted = self.num_speculative_tokens, self.synthetic_acceptance_length - 1.0
+        whole = int(math.floor(mean_accepted + 1e-9))
+        rates = [1.0] * min(whole, k) + [0.0] * max(0, k - whole)
+        if whole < k:
+            rates[whole] = round(mean_accepted - whole, 12)
+        return rates
 
 
 class EngineConfig(BaseModel):

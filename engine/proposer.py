@@ -1,10 +1,11 @@
-"""Drafting: the draft model proposes k tokens per sequence, batched across sequences.
+"""Drafting: the draft model proposes k_b tokens per sequence, batched across sequences.
 
 The first draft step feeds each row's pending tokens (ragged: the last committed token, plus the
-last draft when all drafts were accepted); the next k-1 steps feed one token each.
-`draft_sample_method` greedy takes the argmax (the verifier then treats q as one-hot);
-probabilistic samples from q, the draft's distribution after the request's temperature/top-k/top-p,
-and hands q to the verifier.
+last draft when all drafts were accepted); the next steps feed the previous draft of every row
+still drafting, as a device tensor. `draft_sample_method` greedy takes the argmax (the verifier
+then treats q as one-hot); probabilistic samples from q, the draft's distribution after the
+request's temperature/top-k/top-p, and hands q to the verifier. The proposals cross to the host
+once, at the end.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import Protocol
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.errors import row_error_message
-from engine.sampling import check_distribution, mask_tokens, probs_from_logits, sample
+from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, invalid_rows, mask_tokens, \
+    sample_with_noise
 from engine.step import DraftBatch, DraftOutput
+from engine.verifier import held_back_pairs
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
 
@@ -31,61 +33,71 @@ class DraftModelProposer:
         self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.target_vocab = target_vocab
         self.mapping = vocab_mapping
+        if vocab_mapping is not None:  # the tables on this worker's device
+            dev = worker.device
+            self.draft_mask = vocab_mapping.draft_mask.to(dev)
+            self.draft_to_target = vocab_mapping.draft_to_target.to(dev)
+            self.mapped_draft = vocab_mapping.draft_mask.nonzero()[:, 0].to(dev)
+            self.mapped_target = vocab_mapping.draft_to_target[vocab_mapping.draft_mask].to(dev)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> DraftOutput:
-        B = len(batch.slots)
-        drafts: list[list[int]] = [[] for _ in range(B)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        errors: dict[int, str] = {}  # slot -> message; a failed row drafts no further
-        for step in range(max(batch.num_drafts)):
-            active = [b for b in range(B) if batch.num_drafts[b] > step and batch.slots[b] not in errors]
-            if not active:
-                break
+        B, K = len(batch.slots), max(batch.num_drafts)
+        dev = self.worker.device
+        params = [row.params for row in batch.sampling]
+        drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
+        bad = torch.zeros(B, dtype=torch.bool, device=dev)
+        q_steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, q [rows, V]) per draft step
+        for step in range(K):
+            active = [b for b in range(B) if batch.num_drafts[b] > step]
             if step == 0:
                 feed = [batch.pending[b] for b in active]
                 starts = [batch.starts[b] for b in active]
             else:
-                feed = [[drafts[b][-1]] for b in active]
+                feed = drafts[torch.tensor(active, device=dev), step - 1][:, None]
                 starts = [batch.starts[b] + len(batch.pending[b]) + step - 1 for b in active]
             logits = self.worker.forward([batch.slots[b] for b in active], starts, feed, last_only=True)[:, 0]
             if self.mapping is not None:
-                logits = self.mapping.constrain_draft_logits(logits)
-            for i, b in enumerate(active):
-                try:
-                    self._draft_row(logits[i : i + 1], batch.sampling[b], step, drafts[b], probs[b])
-                except Exception as e:  # noqa: BLE001 - one row's failure is its own, not the step's
-                    errors[batch.slots[b]] = row_error_message(e, batch.sampling[b].request_id, "draft")
-        for b in range(B):
-            if batch.slots[b] in errors:
-                drafts[b], probs[b] = [], []
+                logits = logits.masked_fill(~self.draft_mask, float("-inf"))
+            rows = [batch.sampling[b] for b in active]
+            pairs = held_back_pairs(rows, list(range(len(active))), [1] * len(active), step, self._draft_ids)
+            logits = mask_tokens(logits, pairs)
+            index = torch.tensor(active, device=dev)
+            if not self.probabilistic:
+                drafts[index, step] = logits.argmax(-1)
+                continue
+            q = batch_probs(logits, SamplingTensors.build([params[b] for b in active], dev))
+            invalid = invalid_rows(q)
+            bad[index] |= invalid
+            q = torch.where(invalid[:, None], 1.0 / q.shape[-1], q)
+            _, noise = self.worker.draws([r.request_id for r in rows], [p.greedy for p in (params[b] for b in active)],
+                                         [0] * len(active), 1, q.shape[-1])
+            drafts[index, step] = sample_with_noise(q, noise)
+            q_steps.append((active, q))
         if self.mapping is not None:
-            drafts = [self.mapping.draft_to_target_ids(d) for d in drafts]
+            drafts = self.draft_to_target[drafts]
+        # the proposals' one device-to-host transfer
+        host = torch.cat([drafts, bad[:, None].long()], 1).tolist()
+        tokens = [row[: batch.num_drafts[b]] for b, row in enumerate(host)]
+        errors = {batch.slots[b]: INVALID_DISTRIBUTION for b, row in enumerate(host) if row[-1]}
         if not self.probabilistic:
-            return DraftOutput(slots=batch.slots, tokens=drafts, errors=errors)
-        return DraftOutput(slots=batch.slots, tokens=drafts, errors=errors,
-                           probs=[self._target_probs(torch.stack(p)) if p else None for p in probs])
+            return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors)
+        return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors, probs=self._flat_probs(batch, q_steps))
 
-    def _draft_row(self, row_logits: torch.Tensor, row, step: int, drafts: list[int],
-                   probs: list[torch.Tensor]) -> None:
-        if step < row.hold_back_until:
-            row_logits = mask_tokens(row_logits, self._draft_ids(row.held_back_ids), torch.ones(1, dtype=torch.bool))
-        params = row.params
-        if not self.probabilistic or params.greedy:
-            drafts.append(int(row_logits.argmax()))
-            return
-        q = probs_from_logits(row_logits, params.temperature, params.top_k, params.top_p)[0]
-        check_distribution(q)
-        drafts.append(sample(q, self.worker.generators[row.request_id]))
-        probs.append(q)
+    def _flat_probs(self, batch: DraftBatch, q_steps) -> torch.Tensor:
+        """[sum k_b, V_target]: row b's draft distributions in order, rows in batch order."""
+        per_row: list[list[torch.Tensor]] = [[] for _ in batch.slots]
+        for active, q in q_steps:
+            for i, b in enumerate(active):
+                per_row[b].append(q[i])
+        q = torch.stack([x for row in per_row for x in row])
+        if self.mapping is None:
+            return q
+        out = q.new_zeros(q.shape[0], self.target_vocab)
+        out[:, self.mapped_target] = q[:, self.mapped_draft]
+        return out
 
     def _draft_ids(self, target_ids: tuple[int, ...]) -> list[int]:
         if self.mapping is None:
             return list(target_ids)
         return [d for d in self.mapping.target_to_draft[list(target_ids)].tolist() if d >= 0]
-
-    def _target_probs(self, q: torch.Tensor) -> torch.Tensor:
-        """q [k, V_draft] -> [k, V_target]: the verifier compares it with the target's p."""
-        if self.mapping is None:
-            return q
-        return self.mapping.draft_probs_to_target(q, self.target_vocab)

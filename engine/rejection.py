@@ -1,24 +1,142 @@
-"""Verification of draft tokens: pure functions, one sequence at a time.
+"""Verification of draft tokens for a whole step: pure tensor functions, no host reads.
 
-Each takes the target's distributions at the k+1 verified positions (p[i] is the target's
-distribution for the token after draft i-1; p[0] follows the last committed token) and returns
-the tokens to append: the accepted drafts, then one token from the target (recovered or bonus).
-So every call yields between 1 and k+1 tokens.
+Layout (vLLM's): the step's drafts are flat, `drafts` [num_draft_tokens] with row b owning
+`num_drafts[b]` of them in order; the target's distributions are flat too, `p`
+[num_draft_tokens + B, V], row b owning k_b + 1 positions (p[i] is the target's distribution for the
+token after draft i-1; the last follows all k_b drafts: the bonus position). `q`
+[num_draft_tokens, V] holds the draft distributions, or None for a greedy drafter (q one-hot at each
+draft). Randomness comes in as tensors drawn from each request's own generator: `uniforms` [B, K]
+for the acceptance tests, `exponentials` [B, V] for the one token each row samples (recovered or
+bonus: exactly one per row), so a seeded request draws the same numbers whatever shares its step.
+
+Each function returns tokens [B, K+1] (the accepted drafts, then one target token; -1 after a row's
+end) and num_accepted [B]. Greedy rows are one-hot p with uniforms 0 and exponentials 1: they accept
+exactly while the draft is the target's argmax and then emit the argmax.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from engine.sampling import sample
+from engine.sampling import sample_with_noise
 
 
-def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator))
+class _Layout:
+    """Index tensors for the padded [B, K] view of a flat step."""
+
+    def __init__(self, p: Tensor, drafts: Tensor, num_drafts: list[int]):
+        dev = p.device
+        self.B, self.K = len(num_drafts), max(num_drafts, default=0)
+        self.k = torch.tensor(num_drafts, dtype=torch.long, device=dev)  # [B]
+        self.p_start = torch.cumsum(self.k + 1, 0) - (self.k + 1)  # [B] row b's first position in p
+        steps = torch.arange(self.K + 1, device=dev)
+        self.pos = self.p_start[:, None] + torch.minimum(steps[None, :], self.k[:, None])  # [B, K+1]
+        self.valid = steps[None, : self.K] < self.k[:, None]  # [B, K] drafts that exist
+        d_start = torch.cumsum(self.k, 0) - self.k
+        last = max(drafts.numel() - 1, 0)
+        self.d_idx = (d_start[:, None] + steps[None, : self.K]).clamp(max=last)  # [B, K] index into drafts
+        self.drafts = torch.where(self.valid, drafts[self.d_idx], 0) if drafts.numel() else \
+            torch.zeros(self.B, self.K, dtype=torch.long, device=dev)
+
+    def q_rows(self, q: Tensor | None, p: Tensor, at: Tensor) -> Tensor:
+        """[B, V]: each row's draft distribution at draft position at[b] (one-hot without q)."""
+        if q is not None:
+            return q[self.d_idx.gather(1, at[:, None]).squeeze(1)]
+        one_hot = torch.zeros(self.B, p.shape[-1], dtype=p.dtype, device=p.device)
+        return one_hot.scatter_(1, self.drafts.gather(1, at[:, None]), 1.0)
+
+    def finish(self, accepted: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+        tokens = torch.cat([self.drafts, self.drafts.new_zeros(self.B, 1)], 1)
+        tokens = tokens.scatter(1, accepted[:, None], last[:, None])
+        beyond = torch.arange(self.K + 1, device=tokens.device)[None, :] > accepted[:, None]
+        return tokens.masked_fill(beyond, -1), accepted
+
+
+def _draft_probs(layout: _Layout, p: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor]:
+    """p(d_i) and q(d_i) for every draft, [B, K] each."""
+    p_d = p[layout.pos[:, : layout.K], layout.drafts]
+    q_d = torch.ones_like(p_d) if q is None else q[layout.d_idx, layout.drafts]
+    return p_d, q_d
+
+
+def rejection_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | None,
+                     uniforms: Tensor, exponentials: Tensor) -> tuple[Tensor, Tensor]:
+    """Lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft i is accepted
+    with probability min(1, p(d)/q(d)); at the first rejection the token comes from
+    normalise(max(0, p - q)); after all k_b accepts, a bonus token from the last position."""
+    L = _Layout(p, drafts, num_drafts)
+    if L.K == 0:
+        return L.finish(torch.zeros(L.B, dtype=torch.long, device=p.device),
+                        sample_with_noise(p[L.p_start], exponentials))
+    p_d, q_d = _draft_probs(L, p, q)
+    ok = L.valid & (uniforms[:, : L.K] * q_d < p_d)
+    accepted = ok.long().cumprod(1).sum(1)  # [B] accepted before the first rejection
+    p_final = p[L.pos.gather(1, accepted[:, None]).squeeze(1)]  # [B, V]
+    at = accepted.clamp(max=L.K - 1)
+    residual = (p_final - L.q_rows(q, p, at)).clamp_(min=0.0)
+    # p == q leaves nothing to recover; a rejection then has probability 0, so any choice is exact
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
+    dist = torch.where((accepted < L.k)[:, None], residual, p_final)
+    return L.finish(accepted, sample_with_noise(dist, exponentials))
+
+
+def block_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | None,
+                 uniforms: Tensor, exponentials: Tensor) -> tuple[Tensor, Tensor]:
+    """Block verification (Sun et al. 2024, arXiv 2403.10444): judges the draft block as a whole
+    instead of token by token. Lossless like `rejection_sample`, and accepts at least as many tokens
+    in expectation.
+
+    w_i = min(1, w_{i-1} p(X_i) / q(X_i)) is how much of the prefix X^i the target still supports;
+    position i is kept as the end of the accepted prefix with probability
+    h_i = r_i / (r_i + 1 - w_i), r_i = sum_x max(0, w_i p_i(x) - q_i(x)) (h_k = w_k), and the
+    accepted length is the last such i. The next token comes from normalise(max(0, w_t p_t - q_t))
+    at the accepted length t, or from p_k when the whole block is accepted.
+    """
+    L = _Layout(p, drafts, num_drafts)
+    if L.K == 0:
+        return rejection_sample(p, drafts, num_drafts, q, uniforms, exponentials)
+    p_d, q_d = _draft_probs(L, p, q)
+    ratio = torch.where(q_d > 0, p_d / q_d.clamp(min=1e-30), 0.0)
+    w = torch.ones(L.B, dtype=p.dtype, device=p.device)
+    weights = [w]
+    accepted = torch.zeros(L.B, dtype=torch.long, device=p.device)
+    for i in range(1, L.K + 1):  # over positions, each a batched op: K is small
+        w = torch.minimum(torch.ones_like(w), w * ratio[:, i - 1])
+        weights.append(w)
+        at_end = L.k == i
+        if i < L.K:
+            at = torch.full((L.B,), i, dtype=torch.long, device=p.device)
+            r = (w[:, None] * p[L.pos[:, i]] - L.q_rows(q, p, at)).clamp_(min=0.0).sum(-1)
+            h = torch.where(r > 0, r / (r + 1.0 - w), 0.0)
+            h = torch.where(at_end, w, h)
+        else:
+            h = w
+        keep = L.valid[:, i - 1] & (uniforms[:, i - 1] < h)
+        accepted = torch.where(keep, i, accepted)
+    w_t = torch.stack(weights, 1).gather(1, accepted[:, None])  # [B, 1]
+    p_final = p[L.pos.gather(1, accepted[:, None]).squeeze(1)]
+    residual = (w_t * p_final - L.q_rows(q, p, accepted.clamp(max=L.K - 1))).clamp_(min=0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
+    dist = torch.where((accepted < L.k)[:, None], residual, p_final)
+    return L.finish(accepted, sample_with_noise(dist, exponentials))
+
+
+def synthetic_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], rates: Tensor,
+                     uniforms: Tensor, exponentials: Tensor) -> tuple[Tensor, Tensor]:
+    """Benchmark mode, vLLM's semantics: rates [K] are unconditional, rates[i] = P(the first i+1 drafts
+    are all accepted), whatever the tokens and the temperature. One uniform per row decides how many:
+    accepted = #{i < k_b: u < rates[i]}. The accepted drafts are emitted as drafted, then one target
+    token. NOT lossless: never outside benchmarks."""
+    L = _Layout(p, drafts, num_drafts)
+    if L.K == 0:
+        return rejection_sample(p, drafts, num_drafts, None, uniforms, exponentials)
+    accepted = (L.valid & (uniforms[:, :1] < rates[None, : L.K].to(p.device))).long().sum(1)
+    return L.finish(accepted, sample_with_noise(p[L.pos.gather(1, accepted[:, None]).squeeze(1)], exponentials))
 
 
 def verify_greedy(target_logits: Tensor, drafts: list[int]) -> list[int]:
-    """target_logits [k+1, V]: accept while the draft equals the target's argmax, then the argmax."""
+    """target_logits [k+1, V]: accept while the draft equals the target's argmax, then the argmax
+    (the reference the batched path must equal for greedy rows)."""
     best = target_logits.argmax(-1).tolist()
     out = []
     for i, d in enumerate(drafts):
@@ -29,90 +147,34 @@ def verify_greedy(target_logits: Tensor, drafts: list[int]) -> list[int]:
     return out
 
 
-def verify_standard(p: Tensor, drafts: list[int], q: Tensor | None,
-                    generator: torch.Generator | None) -> list[int]:
-    """Lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+# -- one row, for tests and references: the batched functions with B = 1 ----------------------------
 
-    p [k+1, V] target probabilities; q [k, V] draft probabilities, or None for a greedy drafter
-    (q is then one-hot at the draft). Draft i is accepted with probability min(1, p(d)/q(d)); at the
-    first rejection the token comes from normalise(max(0, p - q)); after k accepts, a bonus from p[k].
-    """
-    out = []
-    for i, d in enumerate(drafts):
-        p_d = float(p[i, d])
-        q_d = 1.0 if q is None else float(q[i, d])
-        if _uniform(generator) * q_d < p_d:
-            out.append(d)
-            continue
-        out.append(sample(recovered_distribution(p[i], q[i] if q is not None else None, d), generator))
-        return out
-    out.append(sample(p[len(drafts)], generator))
-    return out
+def _one_row(fn, p: Tensor, drafts: list[int], extra, generator: torch.Generator | None) -> list[int]:
+    k = len(drafts)
+    uniforms = torch.rand(1, max(k, 1), generator=generator)
+    exponentials = torch.empty(1, p.shape[-1]).exponential_(generator=generator)
+    tokens, accepted = fn(p, torch.tensor(drafts, dtype=torch.long), [k], extra, uniforms, exponentials)
+    return tokens[0, : int(accepted[0]) + 1].tolist()
+
+
+def verify_standard(p: Tensor, drafts: list[int], q: Tensor | None, generator: torch.Generator | None) -> list[int]:
+    return _one_row(rejection_sample, p, drafts, q, generator)
+
+
+def verify_block(p: Tensor, drafts: list[int], q: Tensor | None, generator: torch.Generator | None) -> list[int]:
+    return _one_row(block_sample, p, drafts, q, generator)
+
+
+def verify_synthetic(p: Tensor, drafts: list[int], rates: list[float], generator: torch.Generator | None) -> list[int]:
+    return _one_row(synthetic_sample, p, drafts, torch.tensor(rates, dtype=p.dtype), generator)
 
 
 def recovered_distribution(p: Tensor, q: Tensor | None, draft: int) -> Tensor:
-    """normalise(max(0, p - q)) for one position; q None means one-hot at `draft`."""
+    """normalise(max(0, p - q)) for one position; q None means one-hot at `draft` (a reference)."""
     if q is None:
         residual = p.clone()
         residual[draft] = 0.0
     else:
-        residual = (p - q).clamp_(min=0.0)
+        residual = (p - q).clamp(min=0.0)
     total = float(residual.sum())
-    # p == q leaves nothing to recover; a rejection then has probability 0, so any choice is exact
     return residual / total if total > 0.0 else p
-
-
-def verify_block(p: Tensor, drafts: list[int], q: Tensor | None,
-                 generator: torch.Generator | None) -> list[int]:
-    """Block verification (Sun et al. 2024, arXiv 2403.10444): judges the draft block as a whole
-    instead of token by token. Lossless like `verify_standard`, and accepts at least as many tokens
-    in expectation.
-
-    w_i = min(1, w_{i-1} p(X_i) / q(X_i)) is how much of the prefix X^i the target still supports;
-    position i is kept as the end of the accepted prefix with probability
-    h_i = r_i / (r_i + 1 - w_i), r_i = sum_x max(0, w_i p_i(x) - q_i(x)) (h_k = w_k), and the
-    accepted length is the last such i. The next token comes from normalise(max(0, w_t p_t - q_t))
-    at the accepted length t, or from p_k when the whole block is accepted.
-    """
-    k = len(drafts)
-    if q is None:  # greedy drafter: each draft distribution is one-hot at its draft
-        q = torch.zeros(k, p.shape[-1], dtype=p.dtype)
-        q[torch.arange(k), torch.tensor(drafts, dtype=torch.long)] = 1.0
-    weights = [1.0]
-    accepted = 0
-    for i in range(1, k + 1):
-        d = drafts[i - 1]
-        q_d = float(q[i - 1, d])
-        w = min(1.0, weights[-1] * float(p[i - 1, d]) / q_d) if q_d > 0 else 0.0
-        weights.append(w)
-        if i < k:
-            r = float((w * p[i] - q[i]).clamp_(min=0.0).sum())
-            h = r / (r + 1.0 - w) if r > 0.0 else 0.0
-        else:
-            h = w
-        if _uniform(generator) < h:
-            accepted = i
-    out = list(drafts[:accepted])
-    if accepted == k:
-        out.append(sample(p[k], generator))
-        return out
-    residual = (weights[accepted] * p[accepted] - q[accepted]).clamp_(min=0.0)
-    total = float(residual.sum())
-    out.append(sample(residual / total if total > 0.0 else p[accepted], generator))
-    return out
-
-
-def verify_synthetic(p: Tensor, drafts: list[int], rates: list[float],
-                     generator: torch.Generator | None) -> list[int]:
-    """Benchmark mode: accept position i with conditional probability rates[i], whatever the tokens.
-
-    Emitted tokens are sampled from the target at each position (not the drafts), so the text stays
-    the target's kind of text, but the distribution is NOT exact. Never use outside benchmarks.
-    """
-    out = []
-    for i in range(len(drafts)):
-        if _uniform(generator) >= rates[i]:
-            break
-        out.append(sample(p[i], generator))
-    out.append(sample(p[len(out)], generator))
-    return out

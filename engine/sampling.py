@@ -1,64 +1,120 @@
-"""Pure functions from logits to sampling distributions; shared by drafting, verification and plain decoding.
+"""Pure functions from logits to sampling distributions, for a whole step at once.
 
-Plain and speculative decoding must turn logits into probabilities the same way, or speculation
-would change the output distribution: everything goes through `probs_from_logits`.
+Every row carries its own parameters as tensors (vLLM's layout): one step mixes greedy and sampled
+rows, temperatures, top-k and top-p in a few tensor ops, on the logits' device. Plain decoding,
+drafting and verification all turn logits into probabilities here, so speculation cannot change the
+output distribution.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from engine.config import SamplingParams
 from engine.errors import RowError
 
 
-def mask_tokens(logits: Tensor, token_ids: list[int], rows: Tensor) -> Tensor:
-    """Set logits[rows, token_ids] to -inf (used to hold back EOS/stop tokens before min_tokens)."""
-    if token_ids and bool(rows.any()):
-        logits = logits.clone()
-        ids = torch.tensor(token_ids, device=logits.device)
-        logits[rows.nonzero()[:, :1], ids[None, :]] = float("-inf")
+@dataclass
+class SamplingTensors:
+    """Per-row parameters of N logit rows, on one device. top_k <= 0 and top_p >= 1 disable them."""
+
+    temperature: Tensor  # [N] float; 0 = greedy
+    top_k: Tensor  # [N] long
+    top_p: Tensor  # [N] float
+    max_top_k: int = 0  # known on the host, so no device read decides which ops run
+    any_top_p: bool = False
+    all_greedy: bool = False
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], device, repeats: list[int] | None = None) -> "SamplingTensors":
+        """One entry per row, or row b repeated repeats[b] times (one per position of a row)."""
+        if repeats is not None:
+            params = [p for p, r in zip(params, repeats) for _ in range(r)]
+        top_k = [max(0, min(p.top_k, 1 << 30)) if not p.greedy else 0 for p in params]
+        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                   torch.tensor(top_k, dtype=torch.long, device=device),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                   max(top_k, default=0), any(p.top_p < 1.0 and not p.greedy for p in params),
+                   all(p.greedy for p in params))
+
+
+def mask_tokens(logits: Tensor, pairs: list[tuple[int, int]]) -> Tensor:
+    """logits with logits[row, token] = -inf for each pair (EOS/stop tokens held back before min_tokens)."""
+    if not pairs:
+        return logits
+    index = torch.tensor(pairs, dtype=torch.long, device=logits.device)
+    logits = logits.clone()
+    logits[index[:, 0], index[:, 1]] = float("-inf")
     return logits
 
 
 def probs_from_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> Tensor:
-    """logits [N, V] -> probabilities [N, V] after temperature, top-k, top-p (all rows share the params).
+    """logits [N, V] -> probabilities [N, V], every row with the same parameters."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    return batch_probs(logits, SamplingTensors.build([params] * logits.shape[0], logits.device))
 
-    temperature 0 gives a one-hot at the argmax (greedy as a distribution).
+
+def batch_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """logits [N, V] -> probabilities [N, V] after each row's temperature, top-k, top-p.
+
+    Temperature 0 gives a one-hot at the argmax (greedy as a distribution).
     """
-    if temperature == 0.0:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        logits = _top_p_mask(logits, top_p)
-    return logits.softmax(-1)
+    vocab = logits.shape[-1]
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if st.all_greedy:
+        return one_hot
+    greedy = st.temperature == 0.0
+    scaled = logits / torch.where(greedy, 1.0, st.temperature)[:, None]
+    if 0 < st.max_top_k < vocab:
+        use_k = (st.top_k > 0) & (st.top_k < vocab)
+        kth = torch.topk(scaled, st.max_top_k, dim=-1).values.gather(-1, (st.top_k.clamp(1, st.max_top_k) - 1)[:, None])
+        scaled = torch.where(use_k[:, None] & (scaled < kth), float("-inf"), scaled)
+    if st.any_top_p:
+        scaled = torch.where((st.top_p < 1.0)[:, None], _top_p_mask(scaled, st.top_p), scaled)
+    return torch.where(greedy[:, None], one_hot, scaled.softmax(-1))
 
 
-def _top_p_mask(logits: Tensor, top_p: float, candidates: int = 1024) -> Tensor:
-    """Drop a token when the probability mass before it (in descending order) already reaches top_p;
-    the top token always stays. Exact: sorts only the top `candidates` tokens and falls back to a
-    full sort for rows whose nucleus is larger than that (a full sort of 262k logits costs ~10 ms)."""
+def _top_p_mask(logits: Tensor, top_p: Tensor, candidates: int = 1024) -> Tensor:
+    """Drop a token when the probability mass before it (in descending order) already reaches its
+    row's top_p; the top token always stays. Exact: sorts only the top `candidates` tokens and falls
+    back to a full sort when some row's nucleus is larger than that (a full sort of 262k logits
+    costs ~10 ms)."""
     probs = logits.softmax(-1)
-    k = min(candidates, logits.shape[-1])
+    # on an accelerator a full sort is cheap and checking the candidates would cost a host read
+    k = min(candidates, logits.shape[-1]) if logits.device.type == "cpu" else logits.shape[-1]
     top_probs, top_ids = torch.topk(probs, k, dim=-1)  # sorted, descending
     mass_before = top_probs.cumsum(-1) - top_probs
-    if k < logits.shape[-1] and bool((mass_before[..., -1] + top_probs[..., -1] < top_p).any()):
+    if k < logits.shape[-1] and bool((mass_before[:, -1] + top_probs[:, -1] < top_p).any()):
         top_probs, top_ids = torch.sort(probs, dim=-1, descending=True)
         mass_before = top_probs.cumsum(-1) - top_probs
-    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top_ids, mass_before < top_p)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top_ids, mass_before < top_p[:, None])
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def check_distribution(probs: Tensor) -> None:
-    """probs [..., V]: raise RowError unless every row is finite with positive mass."""
+def invalid_rows(probs: Tensor) -> Tensor:
+    """[N] bool: rows that are not a distribution (non-finite, or no mass)."""
     mass = probs.sum(-1)
-    if not bool(torch.isfinite(mass).all()) or bool((mass <= 0).any()):
-        raise RowError("the model produced no valid probability distribution for this request's sampling "
-                       "parameters (non-finite or all-zero probabilities)")
+    return ~torch.isfinite(mass) | (mass <= 0)
+
+
+def check_distribution(probs: Tensor) -> None:
+    """Raise RowError unless every row of probs [..., V] is finite with positive mass."""
+    if bool(invalid_rows(probs.reshape(-1, probs.shape[-1])).any()):
+        raise RowError(INVALID_DISTRIBUTION)
+
+
+INVALID_DISTRIBUTION = ("the model produced no valid probability distribution for this request's sampling "
+                        "parameters (non-finite or all-zero probabilities)")
+
+
+def sample_with_noise(probs: Tensor, exponentials: Tensor) -> Tensor:
+    """One token per row: argmax(probs / E) with E ~ Exp(1) i.i.d. picks x with probability
+    probs[x] / sum(probs) (an exponential race); no normalisation, no host read. [N, V] -> [N]."""
+    return (probs / exponentials).argmax(-1)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V]."""
+    """One token from probs [V] (tests and references; the engine samples with sample_with_noise)."""
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from engine.config import SamplingParams
@@ -35,17 +36,24 @@ class DraftBatch:
 class DraftOutput:
     slots: list[int]  # [B] as in the DraftBatch (the verifier matches rows by slot)
     tokens: list[list[int]]  # [B][k_b] proposals, in the target's vocabulary
-    probs: list[Tensor] | None = None  # [B] of [k_b, V_target]: draft distributions (probabilistic drafting)
+    # [sum k_b, V_target]: the draft distributions, flat in row order (probabilistic drafting), else None
+    probs: Tensor | None = None
     elapsed_s: float = 0.0  # the draft group's compute time for this batch
     errors: dict[int, str] = field(default_factory=dict)  # slot -> why that row failed (its drafts are void)
 
-    def for_slots(self, slots: list[int]) -> tuple[list[list[int]], list[Tensor | None]]:
-        """Drafts and probs in the order of `slots` (no drafts for a slot that was not drafted)."""
+    def for_slots(self, slots: list[int]) -> tuple[list[list[int]], Tensor | None]:
+        """Drafts in the order of `slots` (none for a slot that was not drafted, or failed), and
+        their distributions flat in that order."""
         index = {slot: i for i, slot in enumerate(self.slots)}
-        rows = [index.get(slot) for slot in slots]
+        rows = [index.get(slot) if slot not in self.errors else None for slot in slots]
         tokens = [self.tokens[i] if i is not None else [] for i in rows]
-        probs = [self.probs[i] if (i is not None and self.probs is not None) else None for i in rows]
-        return tokens, probs
+        if self.probs is None:
+            return tokens, None
+        starts = [0]
+        for t in self.tokens:
+            starts.append(starts[-1] + len(t))
+        order = [j for i in rows if i is not None for j in range(starts[i], starts[i + 1])]
+        return tokens, self.probs[torch.tensor(order, dtype=torch.long, device=self.probs.device)]
 
 
 @dataclass

@@ -1,64 +1,81 @@
-"""Verification on the target side: one forward over [pending, d1..dk] per row, then rejection
-sampling per row, so full target logits never leave the target group."""
+"""Verification on the target side: one forward over [pending, d1..dk] per row, then sampling and
+rejection for the whole step in a few tensor ops (engine/rejection.py), so full target logits never
+leave the target group and the step's results cross to the host once."""
 from __future__ import annotations
 
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.rejection import verify_block, verify_greedy, verify_standard, verify_synthetic
-from engine.errors import row_error_message
-from engine.sampling import check_distribution, mask_tokens, probs_from_logits
+from engine.rejection import block_sample, rejection_sample, synthetic_sample
+from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, invalid_rows, mask_tokens
 from engine.step import DraftOutput, VerifyBatch, VerifyOutput
 from engine.worker import ModelWorker
+
+
+def held_back_pairs(batch_sampling, first_positions: list[int], counts: list[int], offset: int = 0,
+                    to_ids=lambda ids: list(ids)) -> list[tuple[int, int]]:
+    """(flat position, token id) pairs to mask: EOS/stop ids at the positions of a row that come
+    before min_tokens. Row b's positions are first_positions[b] + j, j < counts[b], which are step
+    positions offset + j."""
+    pairs = []
+    for row, first, n in zip(batch_sampling, first_positions, counts):
+        for j in range(max(0, min(n, row.hold_back_until - offset))):
+            pairs.extend((first + j, t) for t in to_ids(row.held_back_ids))
+    return pairs
 
 
 class Verifier:
     def __init__(self, worker: ModelWorker, spec: SpeculativeConfig | None):
         self.worker = worker
         self.method = spec.rejection_sample_method if spec else "standard"
-        self.synthetic_rates = spec.synthetic_rates() if spec and self.method == "synthetic" else None
+        self.synthetic_rates = (torch.tensor(spec.synthetic_rates(), device=worker.device)
+                                if spec and self.method == "synthetic" else None)
 
     @torch.inference_mode()
     def verify(self, batch: VerifyBatch, drafts: DraftOutput | None) -> VerifyOutput:
         B = len(batch.slots)
-        row_drafts, row_probs = drafts.for_slots(batch.slots) if drafts else ([[]] * B, [None] * B)
+        dev = self.worker.device
+        row_drafts, q = drafts.for_slots(batch.slots) if drafts else ([[]] * B, None)
+        counts = [len(d) for d in row_drafts]
         feed = [batch.pending[b] + row_drafts[b] for b in range(B)]
         logits = self.worker.forward(batch.slots, batch.starts, feed)  # [B, T, V]
-        out, accepted, errors = [], [], {}
+        T, V = logits.shape[1], logits.shape[2]
+        # row b's k_b + 1 verified positions, flat: vLLM's [num_draft_tokens + B, V]
+        firsts, index = [], []
         for b in range(B):
-            slot = batch.slots[b]
-            if drafts is not None and slot in drafts.errors:
-                errors[b] = drafts.errors[slot]
-            else:
-                try:
-                    tokens = self._verify_row(logits[b], batch, b, row_drafts[b], row_probs[b])
-                except Exception as e:  # noqa: BLE001 - one row's failure is its own, not the step's
-                    errors[b] = row_error_message(e, batch.sampling[b].request_id, "verify")
-            if b in errors:
+            firsts.append(len(index))
+            start = b * T + len(batch.pending[b]) - 1
+            index.extend(range(start, start + counts[b] + 1))
+        flat = logits.reshape(B * T, V)[torch.tensor(index, dtype=torch.long, device=dev)]
+        flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]))
+        params = [row.params for row in batch.sampling]
+        p = batch_probs(flat, SamplingTensors.build(params, dev, repeats=[k + 1 for k in counts]))
+        bad = invalid_rows(p)  # a row whose numbers can't be sampled fails alone, after the step
+        p = torch.where(bad[:, None], 1.0 / V, p)
+        row_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(counts, device=dev) + 1)
+        bad_row = torch.zeros(B, device=dev).index_add_(0, row_of, bad.float()) > 0
+
+        draft_ids = torch.tensor([t for d in row_drafts for t in d], dtype=torch.long, device=dev)
+        width = max(1, max(counts, default=0))
+        greedy = [x.greedy for x in params]
+        draws = [1 if self.method == "synthetic" else k for k in counts]
+        uniforms, noise = self.worker.draws([r.request_id for r in batch.sampling], greedy, draws, width, V,
+                                            greedy_uniforms=self.method == "synthetic")
+        if self.method == "synthetic":
+            tokens, accepted = synthetic_sample(p, draft_ids, counts, self.synthetic_rates, uniforms, noise)
+        else:
+            fn = block_sample if self.method == "block" else rejection_sample
+            tokens, accepted = fn(p, draft_ids, counts, q, uniforms, noise)
+        # the step's one device-to-host transfer
+        result = torch.cat([tokens, accepted[:, None], bad_row[:, None].long()], 1).tolist()
+        out, num_accepted, errors = [], [], {}
+        for b, row in enumerate(result):
+            n = row[-2]
+            if row[-1] or (drafts is not None and batch.slots[b] in drafts.errors):
+                errors[b] = drafts.errors.get(batch.slots[b], INVALID_DISTRIBUTION) if drafts else INVALID_DISTRIBUTION
                 out.append([])
-                accepted.append(0)
+                num_accepted.append(0)
             else:
-                out.append(tokens)
-                accepted.append(len(tokens) - 1)
-        return VerifyOutput(tokens=out, num_accepted=accepted, errors=errors)
-
-    def _verify_row(self, logits: torch.Tensor, batch: VerifyBatch, b: int, d: list[int],
-                    q: torch.Tensor | None) -> list[int]:
-        row = batch.sampling[b]
-        first = len(batch.pending[b]) - 1
-        row_logits = logits[first : first + len(d) + 1]  # [k+1, V]
-        if row.hold_back_until > 0:
-            held = torch.arange(len(d) + 1) < row.hold_back_until
-            row_logits = mask_tokens(row_logits, list(row.held_back_ids), held)
-        params = row.params
-        if params.greedy:
-            return verify_greedy(row_logits, d)
-        gen = self.worker.generators[row.request_id]
-        p = probs_from_logits(row_logits, params.temperature, params.top_k, params.top_p)
-        check_distribution(p)
-        if self.method == "synthetic" and d:
-            return verify_synthetic(p, d, self.synthetic_rates, gen)
-        if self.method == "block" and d:
-            return verify_block(p, d, q, gen)
-        return verify_standard(p, d, q, gen)
-
+                out.append(row[: n + 1])
+                num_accepted.append(n)
+        return VerifyOutput(tokens=out, num_accepted=num_accepted, errors=errors)

@@ -44,30 +44,55 @@ class ModelWorker:
         # Seed per (request, stream): reusing one seed on both sides would correlate the draft's
         # draws with the acceptance test and bias the output.
         digest = hashlib.sha256(f"{seed}:{self.rng_stream}".encode()).digest()
-        self.generators[request_id] = torch.Generator(device="cpu").manual_seed(
+        self.generators[request_id] = torch.Generator(device=self.device).manual_seed(
             int.from_bytes(digest[:8], "little"))
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
+    def draws(self, request_ids: list[str], greedy: list[bool], counts: list[int], width: int,
+              vocab: int, greedy_uniforms: bool = False) -> tuple[Tensor, Tensor]:
+        """Each row's random numbers from its request's own generator, on this device: uniforms
+        [B, width] (counts[b] drawn, the rest 0) and Exp(1) noise [B, vocab]. Greedy rows draw
+        nothing (uniforms 0, noise 1), or only their uniforms with greedy_uniforms (synthetic
+        acceptance is random at every temperature). What a row draws depends on that row alone."""
+        dev = self.device
+        uniforms = torch.zeros(len(request_ids), width, device=dev)
+        noise = torch.ones(len(request_ids), vocab, device=dev)
+        for b, (rid, is_greedy, n) in enumerate(zip(request_ids, greedy, counts)):
+            if is_greedy and not greedy_uniforms:
+                continue
+            gen = self.generators[rid]
+            if n:
+                uniforms[b, :n] = torch.rand(n, generator=gen, device=dev)
+            if not is_greedy:
+                noise[b].exponential_(generator=gen)
+        return uniforms, noise
+
     @torch.inference_mode()
-    def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]],
+    def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]] | Tensor,
                 last_only: bool = False) -> Tensor:
         """Ragged forward: row b writes tokens[b] at positions starts[b].. of slot slots[b].
+        `tokens` is host lists, or a [B, T] tensor on this device (every row T tokens: no host read).
 
         Returns float32 logits [B, T, V] (padded rows past len(tokens[b]) are garbage),
         or [B, 1, V] at each row's last token when last_only.
         """
-        B, T = len(tokens), max(len(t) for t in tokens)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for b, row in enumerate(tokens):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        dev = self.device
+        if isinstance(tokens, Tensor):
+            ids, (B, T) = tokens, tokens.shape
+            lengths = [T] * B
+        else:
+            B, T = len(tokens), max(len(t) for t in tokens)
+            lengths = [len(t) for t in tokens]
+            ids = torch.zeros(B, T, dtype=torch.long)
+            for b, row in enumerate(tokens):
+                ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+            ids = ids.to(dev)
         # padding continues the row's positions; the cache has room past max_model_len for it
         positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(T)[None, :]
-        logit_index = torch.tensor([[len(row) - 1] for row in tokens]) if last_only else None
-        dev = self.device
-        return self.model(ids.to(dev), positions.to(dev), self.cache,
-                          torch.tensor(slots, device=dev), None if logit_index is None else logit_index.to(dev))
+        logit_index = torch.tensor([[n - 1] for n in lengths]).to(dev) if last_only else None
+        return self.model(ids, positions.to(dev), self.cache, torch.tensor(slots, device=dev), logit_index)
 
     def prefill(self, slot: int, tokens: list[int], chunk: int = 512) -> None:
         """Write tokens at positions 0.. of slot (no logits needed: the next step feeds the last token)."""

@@ -22,7 +22,8 @@ def chi_squared_pvalue(samples: list[int], expected_probs: np.ndarray) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-def exact_first_two(llm, prompt_ids: list[int], temperature: float) -> tuple[np.ndarray, np.ndarray]:
+def exact_first_two(llm, prompt_ids: list[int], temperature: float, top_p: float = 1.0,
+                    top_k: int = -1) -> tuple[np.ndarray, np.ndarray]:
     """P(t1) and P(t2) = sum over t1 of P(t1) P(t2 | t1), computed from the target model directly."""
     from engine.kv_cache import KVCache
     from engine.sampling import probs_from_logits
@@ -34,6 +35,6 @@ def exact_first_two(llm, prompt_ids: list[int], temperature: float) -> tuple[np.
     with torch.no_grad():
         rows = torch.tensor([prompt_ids + [t] for t in range(V)])  # every possible t1, one row each
         logits = model(rows, torch.arange(n + 1)[None].expand(V, -1), cache, torch.arange(V))
-    p1 = probs_from_logits(logits[0, n - 1 : n], temperature)[0]
-    p2_given = probs_from_logits(logits[:, -1], temperature)  # [V(t1), V(t2)]
+    p1 = probs_from_logits(logits[0, n - 1 : n], temperature, top_k, top_p)[0]
+    p2_given = probs_from_logits(logits[:, -1], temperature, top_k, top_p)  # [V(t1), V(t2)]
     return p1.numpy(), (p1[:, None] * p2_given).sum(0).numpy()

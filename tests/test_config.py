@@ -107,9 +107,11 @@ def test_synthetic_rates_rules():
 
 
 def test_synthetic_length_rules():
-    s = spec(rejection_sample_method="synthetic", synthetic_acceptance_length=2.5)
-    r = s.synthetic_rates()[0]
-    assert abs(1 + r + r**2 + r**3 - 2.5) < 1e-6
+    # vLLM's minimum-variance schedule, unconditional rates: mean length = 1 + sum(rates)
+    for length, k, rates in [(2.6, 3, [1.0, 0.6, 0.0]), (3.5, 4, [1.0, 1.0, 0.5, 0.0]), (1.0, 3, [0.0] * 3),
+                             (4.0, 3, [1.0] * 3), (2.5, 3, [1.0, 0.5, 0.0])]:
+        s = spec(num_speculative_tokens=k, rejection_sample_method="synthetic", synthetic_acceptance_length=length)
+        assert s.synthetic_rates() == pytest.approx(rates) and 1 + sum(s.synthetic_rates()) == pytest.approx(length)
     with pytest.raises(ValueError, match=r"\[1, 4\]"):
         spec(rejection_sample_method="synthetic", synthetic_acceptance_length=4.5)
     with pytest.raises(ValueError, match="mutually exclusive"):
