@@ -1,0 +1,109 @@
+"""Sampling + verification time per step, before and after batching, beside the target's forward.
+
+Gemma 3 270M's vocabulary (262,144), batch 1 and 8, K = 3 and 5, temperature 0.8 with top-p 0.95
+(the sampled path; greedy rows are an argmax either way), greedy drafter. "before" is the per-row
+loop of commit fdf0e6a (its sampling.py and rejection.py, loaded from git in this process); "after"
+is the batched verifier's sampling on the same logits. Both take turns, `--iters` times each.
+
+    .venv/bin/python benchmarks/sampling_bench.py --iters 10
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BEFORE = "fdf0e6a"
+sys.path.insert(0, str(ROOT))
+
+
+def module_at(commit: str, path: str, name: str, **inject) -> types.ModuleType:
+    source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout
+    module = types.ModuleType(name)
+    module.__dict__.update(inject)
+    sys.modules[name] = module
+    exec(compile(source.replace("from engine.sampling import", "from old_sampling import"), path, "exec"),
+         module.__dict__)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from engine.config import SamplingParams
+    from engine.models.loading import resolve_model
+    from engine.rejection import rejection_sample
+    from engine.sampling import SamplingTensors, batch_probs, invalid_rows
+    from engine.worker import ModelWorker
+
+    old_sampling = module_at(BEFORE, "engine/sampling.py", "old_sampling")
+    old_rejection = module_at(BEFORE, "engine/rejection.py", "old_rejection")
+
+    worker = ModelWorker(resolve_model("google/gemma-3-270m"), num_slots=8, max_len=256, dtype=torch.float32)
+    vocab = worker.vocab_size
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64)
+    rows = []
+    for batch in (1, 8):
+        for k in (3, 5):
+            gen = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(batch)]
+            for b, p in enumerate(prompts):
+                worker.prefill(b, p)
+            drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for _ in range(batch)]
+            feed = [[p[-1]] + d for p, d in zip(prompts, drafts)]
+            for b in range(batch):
+                worker.add_request(f"r{b}", b)
+            ids = [f"r{b}" for b in range(batch)]
+            times = {"forward": [], "before": [], "after": []}
+            logits = None
+            for _ in range(args.iters):
+                start = time.perf_counter()
+                logits = worker.forward(list(range(batch)), [32] * batch, feed)
+                times["forward"].append(time.perf_counter() - start)
+
+                start = time.perf_counter()  # before: the old verifier's per-row loop
+                for b in range(batch):
+                    p = old_sampling.probs_from_logits(logits[b, : k + 1], params.temperature, params.top_k,
+                                                       params.top_p)
+                    old_rejection.verify_standard(p, drafts[b], None, worker.generators[ids[b]])
+                times["before"].append(time.perf_counter() - start)
+
+                start = time.perf_counter()  # after: the batched verifier's sampling
+                flat = logits.reshape(-1, vocab)[torch.tensor([b * (k + 1) + j for b in range(batch)
+                                                                for j in range(k + 1)])]
+                p = batch_probs(flat, SamplingTensors.build([params] * batch, "cpu", repeats=[k + 1] * batch))
+                invalid_rows(p)
+                uniforms, noise = worker.draws(ids, [False] * batch, [k] * batch, k, vocab)
+                tokens, accepted = rejection_sample(p, torch.tensor([t for d in drafts for t in d]), [k] * batch,
+                                                    None, uniforms, noise)
+                torch.cat([tokens, accepted[:, None]], 1).tolist()
+                times["after"].append(time.perf_counter() - start)
+            med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+            rows.append({"batch": batch, "k": k, "forward_ms": med["forward"], "before_ms": med["before"],
+                         "after_ms": med["after"], "before_share": med["before"] / med["forward"],
+                         "after_share": med["after"] / med["forward"]})
+    print(f"{'batch':>5} {'K':>3} {'forward ms':>11} {'before ms':>10} {'after ms':>9} {'before/fwd':>10} "
+          f"{'after/fwd':>9}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['k']:>3} {r['forward_ms']:>11.1f} {r['before_ms']:>10.1f} {r['after_ms']:>9.1f} "
+              f"{r['before_share']:>10.0%} {r['after_share']:>9.0%}")
+    out = ROOT / "benchmarks" / "results" / "sampling_bench.json"
+    out.write_text(json.dumps({"vocab": vocab, "iters": args.iters, "threads": args.threads, "before": BEFORE,
+                               "params": params.model_dump(), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
