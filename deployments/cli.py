@@ -65,10 +65,12 @@ def serve_main(argv: list[str]) -> None:
 
     try:
         args = parse_args(parsed["args"])  # validates everything before Ray starts
-        resolve_api_key(args.api_key, args.api_key_env, args.api_key_file)
+        # resolved here and handed to the replica (pickled, never logged): a replica on a cluster
+        # started elsewhere would not see this shell's $TANDEM_API_KEY and would serve without one
+        key = resolve_api_key(args.api_key, args.api_key_env, args.api_key_file)
     except (ValueError, OSError) as e:
         sys.exit(f"tandem serve: error: {e}")
-    app = make_app(args)
+    app = make_app(args.model_copy(update={"api_key": key, "api_key_env": None, "api_key_file": None}))
     import ray
     from ray import serve
 

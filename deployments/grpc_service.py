@@ -71,6 +71,8 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
             done = await collect(stream)
         except RequestError as e:
             await _abort(context, e, rid)
+        except Exception as e:  # noqa: BLE001 - grpc.aio would put the exception's text in the status
+            await _internal(context, e, rid)
         return pb.GenerateResponse(text=done.text, token_ids=done.token_ids, finish_reason=done.last.finish_reason,
                                    usage=_usage(prepared.prompt_tokens, len(done.token_ids)),
                                    spec_decode=_stats(done.last.stats))
@@ -82,6 +84,8 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
             (stream,) = self.layer.start(prepared)
         except RequestError as e:
             await _abort(context, e, rid)
+        except Exception as e:  # noqa: BLE001
+            await _internal(context, e, rid)
         # grpc.aio does not cancel a streaming handler when its client cancels (writes to the dead
         # call are dropped): the call's end frees the slot
         context.add_done_callback(lambda _: stream.abort())
@@ -97,6 +101,10 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
                     msg.usage.CopyFrom(_usage(prepared.prompt_tokens, completion))
                     msg.spec_decode.CopyFrom(_stats(delta.stats))
                 yield msg
+        except Exception as e:  # noqa: BLE001 - aborts (grpc's own) pass through untouched
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            await _internal(context, e, rid)
         finally:
             stream.abort()  # a cancelled call (this task cancelled) frees its slot
 
@@ -135,6 +143,13 @@ async def _abort(context, error: RequestError, request_id: str) -> None:
     (log.info if error.status < 500 else log.warning)("request %s: %d %s", request_id, error.status, error.message)
     await context.abort(STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL),
                         f"{error.message} (request id {request_id})")
+
+
+async def _internal(context, error: Exception, request_id: str) -> None:
+    if isinstance(error, grpc.aio.AbortError):
+        raise error
+    log.error("request %s: unexpected error", request_id, exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (request id {request_id})")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> pb.Usage:

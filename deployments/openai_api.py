@@ -31,9 +31,44 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-tandem-request-id"  # x-request-id is Serve's own
 
 
+class ErrorJSON(JSONResponse):
+    def render(self, content) -> bytes:  # ASCII: a client's lone surrogate echoed back can't break it
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def error_response(error: RequestError, request_id: str | None = None) -> JSONResponse:
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
-    return JSONResponse(status_code=error.status, content=error.body(request_id), headers=headers)
+    return ErrorJSON(status_code=error.status, content=error.body(request_id), headers=headers)
+
+
+async def until_disconnect(receive) -> None:
+    """Returns when the client goes away. Serve's proxy cancels our handler on a disconnect, but a
+    client can ask it not to (x-request-disconnect-disabled): this watches for itself."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class AbortingStream(StreamingResponse):
+    """An SSE response that aborts its requests however it ends: finished, failed, never started,
+    or the client gone."""
+
+    def __init__(self, content, streams: list[RequestStream], **kwargs):
+        super().__init__(content, **kwargs)
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send):
+        watcher = asyncio.create_task(until_disconnect(receive))
+        watcher.add_done_callback(lambda t: t.cancelled() or abort_all(self.streams))
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            watcher.cancel()
+            abort_all(self.streams)
+
+
+def abort_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
 
 
 async def send_error(scope, receive, send, error: RequestError) -> None:
@@ -129,7 +164,22 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
             body = await read_body(request, args.max_request_bytes)
             prepared = await asyncio.to_thread(layer.prepare, kind, body, rid)
             streams = layer.start(prepared)
-            return await respond(prepared, streams)
+            if prepared.stream:
+                return await respond(prepared, streams)
+            # a non-streamed answer: stop generating if the client leaves before it
+            answer = asyncio.ensure_future(respond(prepared, streams))
+            gone = asyncio.ensure_future(until_disconnect(request.receive))
+            try:
+                await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not answer.done():
+                    answer.cancel()
+                    abort_all(streams)
+            if not answer.done() or answer.cancelled():
+                log.info("request %s: the client went away", rid)
+                return Response(status_code=499)
+            return answer.result()
         except RequestError as e:
             (log.info if e.status < 500 else log.warning)("request %s: %d %s", rid, e.status, e.message)
             return error_response(e, rid)
@@ -193,8 +243,8 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
                     s.abort()
                 raise delta_error(first)
         events = merge_streams(prepared, streams, firsts, chunk, obj, now, role_chunk)
-        return StreamingResponse(encode_sse(events), media_type="text/event-stream",
-                                 headers={REQUEST_ID_HEADER: prepared.request_id})
+        return AbortingStream(encode_sse(events), streams, media_type="text/event-stream",
+                              headers={REQUEST_ID_HEADER: prepared.request_id})
 
     async def merge_streams(prepared, streams, firsts, chunk, obj, now, role_chunk) -> AsyncIterator[dict]:
         """Interleave the deltas of the call's choices as SSE chunks, in arrival order."""

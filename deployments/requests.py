@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from deployments.chat import chat_prompt_ids, end_of_turn_ids
-from engine.async_engine import AsyncEngine, QueueFullError, RequestDelta, RequestStream
+from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestDelta, RequestStream
 from engine.config import SamplingParams
 from engine.core import TokenizedPrompt
 from engine.errors import INTERNAL_ERROR
@@ -43,6 +43,12 @@ class RequestError(Exception):
     def body(self, request_id: str | None) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
                           "request_id": request_id}}
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """A client's string as we may echo it in a message: printable characters only, bounded."""
+    text = text[:limit].encode("utf-8", "replace").decode("utf-8")
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def bad_request(message: str, param: str | None = None) -> RequestError:
@@ -173,6 +179,7 @@ def validation_error(e: ValidationError) -> RequestError:
     """pydantic's first error as one line: where, and what; never the input value."""
     err = e.errors(include_input=False, include_url=False)[0]
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = [printable(x, 64) for x in loc]
     if err.get("type") == "extra_forbidden":
         return bad_request(f"unknown field '{'.'.join(loc)}'", param=loc[0] if loc else None)
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
@@ -266,7 +273,7 @@ class RequestLayer:
 
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.model_root):
-            raise RequestError(404, f"The model '{name[:200]}' does not exist; this server serves "
+            raise RequestError(404, f"The model '{printable(name)}' does not exist; this server serves "
                                     f"'{self.model_name}'", param="model", code="model_not_found")
 
     def _completion_choices(self, req: CompletionRequest) -> list[Choice]:
@@ -284,14 +291,17 @@ class RequestLayer:
         choices = []
         for i, prompt in enumerate(prompts):
             tokenized = self._tokenize(prompt)
+            params = [req.sampling_params(req.max_tokens, [], j) for j in range(req.n)]
+            for p in params:
+                self._check(tokenized, p)
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(tokenized.ids)) if req.echo else ""
-            for j in range(req.n):
-                params = req.sampling_params(req.max_tokens, [], j)
-                self._check(tokenized, params)
-                choices.append(Choice(i * req.n + j, tokenized, params, echo))
+            choices.extend(Choice(i * req.n + j, tokenized, p, echo) for j, p in enumerate(params))
         return choices
 
     def _chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
+        if len(req.messages) >= self.engine.max_model_len:  # each message costs at least one token
+            raise bad_request(f"messages: {len(req.messages)} messages cannot fit in this model's maximum "
+                              f"context length of {self.engine.max_model_len} tokens", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         if not all(_valid_unicode(m["content"]) for m in messages):
             raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
@@ -352,6 +362,8 @@ class RequestLayer:
                 s.abort()
             if isinstance(e, QueueFullError):
                 raise RequestError(429, str(e), "rate_limit_error", code="queue_full") from None
+            if isinstance(e, EngineDeadError):
+                raise RequestError(503, "the engine is not running", "unavailable_error", code="unavailable") from None
             if isinstance(e, ValueError):
                 raise bad_request(str(e)) from None
             raise

@@ -43,6 +43,10 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than max_queued_requests allows."""
 
 
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped: nothing can be served (503)."""
+
+
 class RequestStream:
     """The deltas of one request, in order; the last has finish_reason set."""
 
@@ -102,6 +106,8 @@ class AsyncEngine:
         `prompt` as EngineCore.prompt_ids takes it; a string is tokenized here, so callers on an event
         loop pass {'prompt_token_ids': ..., 'prompt': text} tokenized off it."""
         request_id = request_id or f"req-{next(self._ids)}"
+        if not self.alive():
+            raise EngineDeadError("the engine is not running")
         text, ids = self.core.prompt_ids(prompt)
         self.core.scheduler.check_request(ids, params)  # raise here, in the caller's task, not in the loop
         queue: asyncio.Queue = asyncio.Queue()
@@ -147,15 +153,22 @@ class AsyncEngine:
                         log.exception("request %s could not be queued", rid)
                         self._emit_error(rid, "internal error while queueing this request")
                 else:
-                    seq = sched.abort(item[1])
-                    if seq is not None:
-                        self._emit(seq)
+                    try:
+                        seq = sched.abort(item[1])
+                        if seq is not None:
+                            self._emit(seq)
+                    except Exception:  # noqa: BLE001 - an abort must never stop the loop
+                        log.exception("aborting request %s failed", item[1])
                     self._streams.pop(item[1], None)
             try:
                 seqs = sched.step()
             except Exception:  # a bug must fail requests, not kill the loop that serves them
                 log.exception("engine step failed; failing the running requests")
-                seqs = sched.fail_running(INTERNAL_ERROR)
+                try:
+                    seqs = sched.fail_running(INTERNAL_ERROR)
+                except Exception:  # noqa: BLE001
+                    log.exception("failing the running requests failed")
+                    seqs = []
             for seq in seqs:
                 self._emit(seq)
             self._spec_log.maybe_log(sched.stats, time.monotonic(), log)

@@ -33,7 +33,7 @@ class Sequence:
     slot: int = -1
     target_cached: int = 0  # tokens of prompt+output in the target's cache
     draft_ids: list[int] = field(default_factory=list)  # the draft's view of prompt+output
-    draft_cached: int = 0
+    draft_cached: int = 0  # -1: this sequence never drafts (its draft context can't fit the cache)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
@@ -68,6 +68,8 @@ class Scheduler:
         self.costs = CostModel(self.spec.num_speculative_tokens) if self.spec else None
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
         self._seeds = itertools.count(config.seed * 1_000_003)
+        self._to_remove: list[str] = []
+        self.executor_down = False
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything about a request that needs the engine's limits (vLLM's messages); ValueError."""
@@ -113,7 +115,18 @@ class Scheduler:
     def step(self) -> list[Sequence]:
         """Run one round; return the sequences that got new tokens or ended (finished ones included)."""
         start = time.perf_counter()
+        if self.executor_down:
+            self._restart()
+            if self.executor_down:  # still down: waiting requests get a 503 now instead of hanging
+                seqs = list(self.waiting)
+                self.waiting.clear()
+                for seq in seqs:
+                    seq.finish_reason, seq.error = "error", WORKER_FAILED
+                    self.counters.finished(seq.finish_reason)
+                time.sleep(1.0)
+                return seqs
         try:
+            self._flush_removals()
             seqs = self._admit()
             if self.running:
                 seqs += self._round_isolating(list(self.running))
@@ -193,14 +206,31 @@ class Scheduler:
 
     def fail_running(self, message: str) -> list[Sequence]:
         """A model group died: end every running sequence with the error, then rebuild the groups.
-        Waiting requests keep their place and run on the new groups."""
+        Waiting requests keep their place and run on the new groups; if the groups can't be rebuilt
+        now, the next step tries again and fails the waiting requests meanwhile (503, not a hang)."""
         failed = list(self.running)
         for seq in failed:
             seq.finish_reason, seq.error = "error", message
             self.free_slots.append(seq.slot)
         self.running.clear()
-        self.executor.restart()
+        self._to_remove.clear()  # the old groups' per-request state goes with them
+        self._restart()
         return failed
+
+    def _restart(self) -> None:
+        try:
+            self.executor.restart()
+            self.executor_down = False
+        except Exception:  # noqa: BLE001 - e.g. no resources for the new groups yet
+            log.exception("could not rebuild the model groups; retrying at the next step")
+            self.executor_down = True
+
+    def _flush_removals(self) -> None:
+        """Drop finished requests' per-request state on the workers (deferred, so that a failure
+        there surfaces at a step boundary, never in the middle of a round)."""
+        pending, self._to_remove = self._to_remove, []
+        for request_id in pending:
+            self.executor.remove_request(request_id)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -220,20 +250,25 @@ class Scheduler:
                 else:
                     seq.draft_ids = list(seq.prompt_ids)
                 draft_prefix = seq.draft_ids[:-1]
+                if len(seq.draft_ids) >= self.max_model_len:  # too long for the draft's cache: no drafting
+                    draft_prefix = []
+                    seq.draft_cached = -1
                 self.executor.prefill(seq.slot, prefix, draft_prefix if self.spec else None)
             except (StepError, ValueError) as e:
                 log.error("request %s failed in prefill", seq.request_id, exc_info=e)
                 self._fail(seq, INTERNAL_ERROR)
                 failed.append(seq)
                 continue
-            seq.target_cached, seq.draft_cached = len(prefix), len(draft_prefix)
+            seq.target_cached = len(prefix)
+            if seq.draft_cached >= 0:
+                seq.draft_cached = len(draft_prefix)
         return failed
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
-            self.executor.remove_request(seq.request_id)
+            self._to_remove.append(seq.request_id)
 
     def _budget(self, seq: Sequence) -> int:
         """New tokens this sequence may still produce."""
@@ -248,6 +283,10 @@ class Scheduler:
         k = self.spec.num_speculative_tokens
         if self.spec.adaptive:
             k = adaptive_k(seq.acceptance, self.costs, k)
+        # with another tokenizer the draft may need more tokens than the target for the same text
+        # (Thai: ~6x): past max_model_len of its own tokens it stops drafting, its cache would overflow
+        if seq.draft_cached < 0 or len(seq.draft_ids) + k > self.max_model_len:
+            return 0
         return max(0, min(k, self._budget(seq) - 1))
 
     def _row_sampling(self, seq: Sequence) -> RowSampling:

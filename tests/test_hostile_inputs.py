@@ -158,6 +158,11 @@ HTTP_CASES = [
     ("too-many-stop-strings", "completions", {**OK, "stop": [f"s{i}" for i in range(100)]}, 400),
     ("seed-2^70", "completions", {**OK, "seed": 2**70}, 200),
     ("unknown-model", "completions", {**OK, "model": "gpt-4"}, 404),
+    ("model-lone-surrogate", "completions", {**OK, "model": "\ud800"}, 404),
+    ("model-ansi-escape", "completions", {**OK, "model": "\x1b[31mred"}, 404),
+    ("field-name-ansi-escape", "completions", {**OK, "\x1b[31mx": 1}, 400),
+    ("chat-many-empty-messages", "chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": ""}] * 300}, 400),
     ("null-model", "completions", {**OK, "model": None}, 400),
     ("not-json", "completions", b"{not json", 400),
     ("json-array", "completions", b"[1, 2, 3]", 400),
@@ -204,6 +209,29 @@ def test_http_routing_and_chunked_errors_use_openai_shape(server, idle_text):
     for r in responses:
         assert not INTERNALS.search(r.text), r.text
         check_error_body(r)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_frees_its_slot_even_when_it_asks_serve_not_to_notice(server, stream):
+    """x-request-disconnect-disabled tells Serve's proxy not to cancel the handler on a disconnect;
+    the request must still be aborted when its client goes away."""
+    before = finished_by_length(server["base"])
+
+    async def main():
+        body = {"model": M, "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": stream}
+        headers = {"x-request-disconnect-disabled": "?1"}
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def leave():
+                await http.post(f"{server['base']}/v1/completions", json=body, headers=headers)
+            tasks = [asyncio.create_task(leave()) for _ in range(4)]
+            while engine_load(server["base"])[0] < 4:
+                await asyncio.sleep(0.01)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(main())
+    assert drained_within(server["base"], 2.0), engine_load(server["base"])
+    assert finished_by_length(server["base"]) == before
 
 
 def test_big_body_does_not_stall_other_streams(server):

@@ -153,3 +153,19 @@ def test_cross_vocab_sampling_is_lossless(pair, draft_sample_method):
 def test_heterogeneous_vocab_required_for_different_tokenizers():
     with pytest.raises(ValueError, match="same vocabulary size"):
         LLM(model=GEMMA3, speculative_config={"model": SMOLLM2, "num_speculative_tokens": 2})
+
+
+def test_text_longer_in_draft_tokens_than_the_cache_still_decodes(gemma_reference):
+    """Thai costs the SmolLM2 draft ~6 tokens per Gemma token: a prompt that fits the target but not
+    the draft's cache is decoded without drafting (it used to overflow the draft's KV cache), exactly
+    as plain decoding would."""
+    thai = "ภาษาไทยเป็นภาษาที่มีวรรณยุกต์ " * 12
+    llm = LLM(model=GEMMA3, max_model_len=256,
+              speculative_config={"model": SMOLLM2, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True})
+    n_target = len(llm.get_tokenizer().encode(thai))
+    n_draft = len(llm.core.scheduler.vocab_mapping.draft_prompt(thai, []))
+    assert n_target + 16 < 256 < n_draft
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    out = llm.generate(thai, params)[0].outputs[0]
+    plain = LLM(model=GEMMA3, max_model_len=256).generate(thai, params)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == plain.token_ids
