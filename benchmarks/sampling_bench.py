@@ -40,6 +40,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", choices=["text", "random"], default="text",
+                        help="text: windows of English prose (a realistic nucleus); random: random token ids "
+                             "(a flat distribution whose top-p nucleus spans tens of thousands of tokens)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -54,12 +57,20 @@ def main() -> None:
 
     worker = ModelWorker(resolve_model("google/gemma-3-270m"), num_slots=8, max_len=256, dtype=torch.float32)
     vocab = worker.vocab_size
+    from engine.models.loading import load_tokenizer
+
+    text = (ROOT / "README.md").read_text()
+    worker_tokens = load_tokenizer(resolve_model("google/gemma-3-270m"), None).encode(text)[:400]
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64)
     rows = []
     for batch in (1, 8):
         for k in (3, 5):
             gen = torch.Generator().manual_seed(0)
-            prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(batch)]
+            if args.prompts == "text":
+                ids = worker_tokens
+                prompts = [ids[40 * b: 40 * b + 32] for b in range(batch)]
+            else:
+                prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(batch)]
             for b, p in enumerate(prompts):
                 worker.prefill(b, p)
             drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for _ in range(batch)]
@@ -86,9 +97,9 @@ def main() -> None:
                                                                 for j in range(k + 1)])]
                 p = batch_probs(flat, SamplingTensors.build([params] * batch, "cpu", repeats=[k + 1] * batch))
                 invalid_rows(p)
-                uniforms, noise = worker.draws(ids, [False] * batch, [k] * batch, k, vocab)
+                uniforms, final = worker.draws(ids, [False] * batch, [k] * batch, k)
                 tokens, accepted = rejection_sample(p, torch.tensor([t for d in drafts for t in d]), [k] * batch,
-                                                    None, uniforms, noise)
+                                                    None, uniforms, final)
                 torch.cat([tokens, accepted[:, None]], 1).tolist()
                 times["after"].append(time.perf_counter() - start)
             med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
@@ -100,8 +111,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['k']:>3} {r['forward_ms']:>11.1f} {r['before_ms']:>10.1f} {r['after_ms']:>9.1f} "
               f"{r['before_share']:>10.0%} {r['after_share']:>9.0%}")
-    out = ROOT / "benchmarks" / "results" / "sampling_bench.json"
+    out = ROOT / "benchmarks" / "results" / f"sampling_bench_{args.prompts}.json"
     out.write_text(json.dumps({"vocab": vocab, "iters": args.iters, "threads": args.threads, "before": BEFORE,
+                               "prompts": args.prompts,
                                "params": params.model_dump(), "rows": rows}, indent=2) + "\n")
 
 

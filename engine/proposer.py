@@ -15,7 +15,7 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, invalid_rows, mask_tokens, \
-    sample_with_noise
+    sample_inverse_cdf
 from engine.step import DraftBatch, DraftOutput
 from engine.verifier import held_back_pairs
 from engine.vocab_mapping import VocabMapping
@@ -70,9 +70,9 @@ class DraftModelProposer:
             invalid = invalid_rows(q)
             bad[index] |= invalid
             q = torch.where(invalid[:, None], 1.0 / q.shape[-1], q)
-            _, noise = self.worker.draws([r.request_id for r in rows], [p.greedy for p in (params[b] for b in active)],
-                                         [0] * len(active), 1, q.shape[-1])
-            drafts[index, step] = sample_with_noise(q, noise)
+            _, u = self.worker.draws([r.request_id for r in rows], [params[b].greedy for b in active],
+                                     [0] * len(active), 0)
+            drafts[index, step] = sample_inverse_cdf(q, u)
             q_steps.append((active, q))
         if self.mapping is not None:
             drafts = self.draft_to_target[drafts]

@@ -6,19 +6,19 @@ Layout (vLLM's): the step's drafts are flat, `drafts` [num_draft_tokens] with ro
 token after draft i-1; the last follows all k_b drafts: the bonus position). `q`
 [num_draft_tokens, V] holds the draft distributions, or None for a greedy drafter (q one-hot at each
 draft). Randomness comes in as tensors drawn from each request's own generator: `uniforms` [B, K]
-for the acceptance tests, `exponentials` [B, V] for the one token each row samples (recovered or
-bonus: exactly one per row), so a seeded request draws the same numbers whatever shares its step.
+for the acceptance tests and `final` [B] for the one token each row samples (recovered or bonus:
+exactly one per row), so a seeded request draws the same numbers whatever shares its step.
 
 Each function returns tokens [B, K+1] (the accepted drafts, then one target token; -1 after a row's
-end) and num_accepted [B]. Greedy rows are one-hot p with uniforms 0 and exponentials 1: they accept
-exactly while the draft is the target's argmax and then emit the argmax.
+end) and num_accepted [B]. Greedy rows are one-hot p with uniforms 0: they accept exactly while
+the draft is the target's argmax and then emit the argmax.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from engine.sampling import sample_with_noise
+from engine.sampling import sample_inverse_cdf
 
 
 class _Layout:
@@ -60,14 +60,14 @@ def _draft_probs(layout: _Layout, p: Tensor, q: Tensor | None) -> tuple[Tensor, 
 
 
 def rejection_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | None,
-                     uniforms: Tensor, exponentials: Tensor) -> tuple[Tensor, Tensor]:
+                     uniforms: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:
     """Lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft i is accepted
     with probability min(1, p(d)/q(d)); at the first rejection the token comes from
     normalise(max(0, p - q)); after all k_b accepts, a bonus token from the last position."""
     L = _Layout(p, drafts, num_drafts)
     if L.K == 0:
         return L.finish(torch.zeros(L.B, dtype=torch.long, device=p.device),
-                        sample_with_noise(p[L.p_start], exponentials))
+                        sample_inverse_cdf(p[L.p_start], final))
     p_d, q_d = _draft_probs(L, p, q)
     ok = L.valid & (uniforms[:, : L.K] * q_d < p_d)
     accepted = ok.long().cumprod(1).sum(1)  # [B] accepted before the first rejection
@@ -77,11 +77,11 @@ def rejection_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor
     # p == q leaves nothing to recover; a rejection then has probability 0, so any choice is exact
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
     dist = torch.where((accepted < L.k)[:, None], residual, p_final)
-    return L.finish(accepted, sample_with_noise(dist, exponentials))
+    return L.finish(accepted, sample_inverse_cdf(dist, final))
 
 
 def block_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | None,
-                 uniforms: Tensor, exponentials: Tensor) -> tuple[Tensor, Tensor]:
+                 uniforms: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:
     """Block verification (Sun et al. 2024, arXiv 2403.10444): judges the draft block as a whole
     instead of token by token. Lossless like `rejection_sample`, and accepts at least as many tokens
     in expectation.
@@ -94,7 +94,7 @@ def block_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | N
     """
     L = _Layout(p, drafts, num_drafts)
     if L.K == 0:
-        return rejection_sample(p, drafts, num_drafts, q, uniforms, exponentials)
+        return rejection_sample(p, drafts, num_drafts, q, uniforms, final)
     p_d, q_d = _draft_probs(L, p, q)
     ratio = torch.where(q_d > 0, p_d / q_d.clamp(min=1e-30), 0.0)
     w = torch.ones(L.B, dtype=p.dtype, device=p.device)
@@ -118,20 +118,20 @@ def block_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | N
     residual = (w_t * p_final - L.q_rows(q, p, accepted.clamp(max=L.K - 1))).clamp_(min=0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
     dist = torch.where((accepted < L.k)[:, None], residual, p_final)
-    return L.finish(accepted, sample_with_noise(dist, exponentials))
+    return L.finish(accepted, sample_inverse_cdf(dist, final))
 
 
 def synthetic_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], rates: Tensor,
-                     uniforms: Tensor, exponentials: Tensor) -> tuple[Tensor, Tensor]:
+                     uniforms: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:
     """Benchmark mode, vLLM's semantics: rates [K] are unconditional, rates[i] = P(the first i+1 drafts
     are all accepted), whatever the tokens and the temperature. One uniform per row decides how many:
     accepted = #{i < k_b: u < rates[i]}. The accepted drafts are emitted as drafted, then one target
     token. NOT lossless: never outside benchmarks."""
     L = _Layout(p, drafts, num_drafts)
     if L.K == 0:
-        return rejection_sample(p, drafts, num_drafts, None, uniforms, exponentials)
+        return rejection_sample(p, drafts, num_drafts, None, uniforms, final)
     accepted = (L.valid & (uniforms[:, :1] < rates[None, : L.K].to(p.device))).long().sum(1)
-    return L.finish(accepted, sample_with_noise(p[L.pos.gather(1, accepted[:, None]).squeeze(1)], exponentials))
+    return L.finish(accepted, sample_inverse_cdf(p[L.pos.gather(1, accepted[:, None]).squeeze(1)], final))
 
 
 def verify_greedy(target_logits: Tensor, drafts: list[int]) -> list[int]:
@@ -152,8 +152,8 @@ def verify_greedy(target_logits: Tensor, drafts: list[int]) -> list[int]:
 def _one_row(fn, p: Tensor, drafts: list[int], extra, generator: torch.Generator | None) -> list[int]:
     k = len(drafts)
     uniforms = torch.rand(1, max(k, 1), generator=generator)
-    exponentials = torch.empty(1, p.shape[-1]).exponential_(generator=generator)
-    tokens, accepted = fn(p, torch.tensor(drafts, dtype=torch.long), [k], extra, uniforms, exponentials)
+    final = torch.rand(1, generator=generator)
+    tokens, accepted = fn(p, torch.tensor(drafts, dtype=torch.long), [k], extra, uniforms, final)
     return tokens[0, : int(accepted[0]) + 1].tolist()
 
 

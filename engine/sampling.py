@@ -26,6 +26,7 @@ class SamplingTensors:
     max_top_k: int = 0  # known on the host, so no device read decides which ops run
     any_top_p: bool = False
     all_greedy: bool = False
+    any_greedy: bool = False
 
     @classmethod
     def build(cls, params: list[SamplingParams], device, repeats: list[int] | None = None) -> "SamplingTensors":
@@ -37,7 +38,7 @@ class SamplingTensors:
                    torch.tensor(top_k, dtype=torch.long, device=device),
                    torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
                    max(top_k, default=0), any(p.top_p < 1.0 and not p.greedy for p in params),
-                   all(p.greedy for p in params))
+                   all(p.greedy for p in params), any(p.greedy for p in params))
 
 
 def mask_tokens(logits: Tensor, pairs: list[tuple[int, int]]) -> Tensor:
@@ -59,38 +60,51 @@ def probs_from_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p
 def batch_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     """logits [N, V] -> probabilities [N, V] after each row's temperature, top-k, top-p.
 
-    Temperature 0 gives a one-hot at the argmax (greedy as a distribution).
+    Temperature 0 gives a one-hot at the argmax (greedy as a distribution). Each full-vocabulary
+    pass costs ~1 ms per row at 262k tokens on a CPU: the ops run only where some row needs them.
     """
     vocab = logits.shape[-1]
-    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if st.all_greedy:
-        return one_hot
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     greedy = st.temperature == 0.0
     scaled = logits / torch.where(greedy, 1.0, st.temperature)[:, None]
     if 0 < st.max_top_k < vocab:
         use_k = (st.top_k > 0) & (st.top_k < vocab)
         kth = torch.topk(scaled, st.max_top_k, dim=-1).values.gather(-1, (st.top_k.clamp(1, st.max_top_k) - 1)[:, None])
-        scaled = torch.where(use_k[:, None] & (scaled < kth), float("-inf"), scaled)
-    if st.any_top_p:
-        scaled = torch.where((st.top_p < 1.0)[:, None], _top_p_mask(scaled, st.top_p), scaled)
-    return torch.where(greedy[:, None], one_hot, scaled.softmax(-1))
+        scaled = scaled.masked_fill_(use_k[:, None] & (scaled < kth), float("-inf"))
+    probs = scaled.softmax(-1)
+    if st.any_top_p:  # renormalise the nucleus (the same as a softmax over the kept logits)
+        keep = _top_p_keep(probs, st.top_p) | (st.top_p >= 1.0)[:, None]
+        probs = probs.mul_(keep)
+        probs = probs.div_(probs.sum(-1, keepdim=True))
+    if st.any_greedy:
+        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
 
 
-def _top_p_mask(logits: Tensor, top_p: Tensor, candidates: int = 1024) -> Tensor:
-    """Drop a token when the probability mass before it (in descending order) already reaches its
-    row's top_p; the top token always stays. Exact: sorts only the top `candidates` tokens and falls
-    back to a full sort when some row's nucleus is larger than that (a full sort of 262k logits
-    costs ~10 ms)."""
-    probs = logits.softmax(-1)
-    # on an accelerator a full sort is cheap and checking the candidates would cost a host read
-    k = min(candidates, logits.shape[-1]) if logits.device.type == "cpu" else logits.shape[-1]
-    top_probs, top_ids = torch.topk(probs, k, dim=-1)  # sorted, descending
-    mass_before = top_probs.cumsum(-1) - top_probs
-    if k < logits.shape[-1] and bool((mass_before[:, -1] + top_probs[:, -1] < top_p).any()):
-        top_probs, top_ids = torch.sort(probs, dim=-1, descending=True)
+def _top_p_keep(probs: Tensor, top_p: Tensor, candidates: int = 1024) -> Tensor:
+    """[N, V] bool: keep a token unless the probability mass before it (in descending order) already
+    reaches its row's top_p; the top token always stays. Exact: sorts only the top `candidates`
+    tokens, then 16x more, then everything, for rows whose nucleus is larger (a full sort of 262k
+    probabilities costs ~10 ms per row on a CPU; on an accelerator it is cheap and checking the
+    candidates would cost a host read, so it sorts everything at once)."""
+    vocab = probs.shape[-1]
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    sizes = [vocab] if probs.device.type != "cpu" else [min(c, vocab) for c in (candidates, 16 * candidates)] + [vocab]
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    if probs.device.type == "cpu":  # rows without top-p are kept whole by the caller
+        rows = rows[top_p < 1.0]
+    for k in dict.fromkeys(sizes):  # in order, without repeats
+        top_probs, top_ids = torch.topk(probs[rows], k, dim=-1)  # sorted, descending
         mass_before = top_probs.cumsum(-1) - top_probs
-    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top_ids, mass_before < top_p[:, None])
-    return logits.masked_fill(~keep, float("-inf"))
+        covered = (mass_before[:, -1] + top_probs[:, -1] >= top_p[rows]) | (k == vocab)
+        done = rows[covered]
+        keep[done] = keep[done].scatter_(-1, top_ids[covered], mass_before[covered] < top_p[done, None])
+        rows = rows[~covered]
+        if rows.numel() == 0:
+            break
+    return keep
 
 
 def invalid_rows(probs: Tensor) -> Tensor:
@@ -109,12 +123,16 @@ INVALID_DISTRIBUTION = ("the model produced no valid probability distribution fo
                         "parameters (non-finite or all-zero probabilities)")
 
 
-def sample_with_noise(probs: Tensor, exponentials: Tensor) -> Tensor:
-    """One token per row: argmax(probs / E) with E ~ Exp(1) i.i.d. picks x with probability
-    probs[x] / sum(probs) (an exponential race); no normalisation, no host read. [N, V] -> [N]."""
-    return (probs / exponentials).argmax(-1)
+def sample_inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One token per row from probs [N, V] (unnormalised is fine) and one uniform [N] in [0, 1) each:
+    the first token whose cumulative mass passes u * total. One random number per row instead of V
+    (an exponential race draws 262k per row for Gemma); no host read. A one-hot row gives its token
+    whatever u is, so greedy rows pass u = 0."""
+    cdf = probs.cumsum(-1)
+    target = (uniforms * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V] (tests and references; the engine samples with sample_with_noise)."""
+    """One token from probs [V] (tests and references; the engine samples with sample_inverse_cdf)."""
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -59,13 +59,13 @@ class Verifier:
         width = max(1, max(counts, default=0))
         greedy = [x.greedy for x in params]
         draws = [1 if self.method == "synthetic" else k for k in counts]
-        uniforms, noise = self.worker.draws([r.request_id for r in batch.sampling], greedy, draws, width, V,
+        uniforms, final = self.worker.draws([r.request_id for r in batch.sampling], greedy, draws, width,
                                             greedy_uniforms=self.method == "synthetic")
         if self.method == "synthetic":
-            tokens, accepted = synthetic_sample(p, draft_ids, counts, self.synthetic_rates, uniforms, noise)
+            tokens, accepted = synthetic_sample(p, draft_ids, counts, self.synthetic_rates, uniforms, final)
         else:
             fn = block_sample if self.method == "block" else rejection_sample
-            tokens, accepted = fn(p, draft_ids, counts, q, uniforms, noise)
+            tokens, accepted = fn(p, draft_ids, counts, q, uniforms, final)
         # the step's one device-to-host transfer
         result = torch.cat([tokens, accepted[:, None], bad_row[:, None].long()], 1).tolist()
         out, num_accepted, errors = [], [], {}

@@ -51,23 +51,22 @@ class ModelWorker:
         self.generators.pop(request_id, None)
 
     def draws(self, request_ids: list[str], greedy: list[bool], counts: list[int], width: int,
-              vocab: int, greedy_uniforms: bool = False) -> tuple[Tensor, Tensor]:
+              greedy_uniforms: bool = False) -> tuple[Tensor, Tensor]:
         """Each row's random numbers from its request's own generator, on this device: uniforms
-        [B, width] (counts[b] drawn, the rest 0) and Exp(1) noise [B, vocab]. Greedy rows draw
-        nothing (uniforms 0, noise 1), or only their uniforms with greedy_uniforms (synthetic
-        acceptance is random at every temperature). What a row draws depends on that row alone."""
+        [B, width] for acceptance tests (counts[b] drawn, the rest 0) and one more [B] for the token
+        the row samples. Greedy rows draw nothing (zeros), or only their acceptance uniforms with
+        greedy_uniforms (synthetic acceptance is random at every temperature). What a row draws
+        depends on that row alone, so a seeded request's output doesn't depend on its batch."""
         dev = self.device
-        uniforms = torch.zeros(len(request_ids), width, device=dev)
-        noise = torch.ones(len(request_ids), vocab, device=dev)
+        uniforms = torch.zeros(len(request_ids), width + 1, device=dev)
         for b, (rid, is_greedy, n) in enumerate(zip(request_ids, greedy, counts)):
             if is_greedy and not greedy_uniforms:
                 continue
-            gen = self.generators[rid]
-            if n:
-                uniforms[b, :n] = torch.rand(n, generator=gen, device=dev)
+            drawn = torch.rand(n + (0 if is_greedy else 1), generator=self.generators[rid], device=dev)
+            uniforms[b, :n] = drawn[:n]
             if not is_greedy:
-                noise[b].exponential_(generator=gen)
-        return uniforms, noise
+                uniforms[b, width] = drawn[n]
+        return uniforms[:, :width], uniforms[:, width]
 
     @torch.inference_mode()
     def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]] | Tensor,
