@@ -71,10 +71,11 @@ def serve_main(argv: list[str]) -> None:
     except (ValueError, OSError) as e:
         sys.exit(f"tandem serve: error: {e}")
     app = make_app(args.model_copy(update={"api_key": key, "api_key_env": None, "api_key_file": None}))
-    import ray
     from ray import serve
 
-    ray.init(ignore_reinit_error=True)
+    from engine.executor import init_ray
+
+    init_ray(args.engine_config())
     serve.start(http_options={"host": parsed["host"], "port": parsed["port"]})
     serve.run(app, name="tandem", route_prefix="/", blocking=True)
 

@@ -135,7 +135,7 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
     async def _prepare(self, request: pb.GenerateRequest, context, rid: str) -> PreparedRequest:
         self._authenticate(context)
         kind, body = request_body(request)
-        return await asyncio.to_thread(self.layer.prepare, kind, body, rid)
+        return await self.layer.prepare_async(kind, body, rid)
 
 
 async def _abort(context, error: RequestError, request_id: str) -> None:

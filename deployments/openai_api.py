@@ -162,7 +162,7 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
         rid = f"{prefix}-{uuid.uuid4().hex}"
         try:
             body = await read_body(request, args.max_request_bytes)
-            prepared = await asyncio.to_thread(layer.prepare, kind, body, rid)
+            prepared = await layer.prepare_async(kind, body, rid)
             streams = layer.start(prepared)
             if prepared.stream:
                 return await respond(prepared, streams)

@@ -6,9 +6,11 @@ templates): transports run it in a worker thread, never on the event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -246,8 +248,11 @@ class PreparedRequest:
 
 
 class RequestLayer:
-    def __init__(self, engine: AsyncEngine, model_name: str, model_root: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, model_root: str, prepare_threads: int = 2):
         self.engine, self.model_name, self.model_root = engine, model_name, model_root
+        # its own small pool: a flood of big requests queues here instead of taking every thread
+        # the process shares (and the GIL-bound parts can't use more than a couple anyway)
+        self._pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="tandem-prepare")
         self.tokenizer = engine.tokenizer
         self.turn_end_ids = end_of_turn_ids(self.tokenizer)
         # Longest token in UTF-8 bytes: a text longer than max_model_len times this has more tokens
@@ -255,6 +260,11 @@ class RequestLayer:
         self.max_token_bytes = max(len(t.encode("utf-8", "replace")) for t in self.tokenizer.get_vocab())
 
     # -- parsing (worker thread) ---------------------------------------------------------------
+
+    async def prepare_async(self, kind: Literal["completion", "chat"], body: bytes | dict,
+                            request_id: str) -> PreparedRequest:
+        """prepare() on the layer's own threads, off the caller's event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.prepare, kind, body, request_id)
 
     def prepare(self, kind: Literal["completion", "chat"], body: bytes | dict, request_id: str) -> PreparedRequest:
         data = parse_json(body) if isinstance(body, (bytes, bytearray)) else body

@@ -149,6 +149,25 @@ def _free_address() -> str:
 ACTOR_ENV = {"env_vars": {"GOMP_SPINCOUNT": os.environ.get("TANDEM_GOMP_SPINCOUNT", "30000")}}
 
 
+def bundles_needed(config: EngineConfig) -> int:
+    """One bundle per rank of each model group."""
+    return config.tensor_parallel_size + (config.draft_tensor_parallel_size if config.speculative_config else 0)
+
+
+def init_ray(config: EngineConfig, **kwargs) -> None:
+    """Start (or join) Ray so that this engine's groups can always be placed: a cluster we start
+    ourselves gets at least one logical CPU per rank (the ranks share the real cores: each group's
+    threads are sized from os.cpu_count()); LLM(..., tensor_parallel_size=2, speculative_config=...)
+    on a 2-core machine needs 4. An existing cluster is joined as it is."""
+    import ray
+
+    cpus = None if config.resolved_device() == "cuda" else max(os.cpu_count() or 1, bundles_needed(config))
+    try:
+        ray.init(ignore_reinit_error=True, num_cpus=cpus, **kwargs)
+    except ValueError:  # joining a cluster started elsewhere: its resources are its own
+        ray.init(ignore_reinit_error=True, **kwargs)
+
+
 class RayExecutor:
     """Target and draft groups as Ray actors, one per tensor-parallel rank."""
 
@@ -157,7 +176,7 @@ class RayExecutor:
         import ray
 
         if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True, log_to_driver=False)
+            init_ray(config, log_to_driver=False)
         self.config, self.cache_len, self.target_vocab = config, cache_len, target_vocab
         self.vocab_mapping, self.timeout_s = vocab_mapping, timeout_s
         self._start()
@@ -171,7 +190,7 @@ class RayExecutor:
         bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
         tp = config.tensor_parallel_size
         dtp = config.draft_tensor_parallel_size if config.speculative_config else 0
-        self.placement = placement_group([bundle] * (tp + dtp), strategy="PACK")
+        self.placement = placement_group([bundle] * bundles_needed(config), strategy="PACK")
         try:
             ray.get(self.placement.ready(), timeout=120)
         except ray.exceptions.GetTimeoutError:
