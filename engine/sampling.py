@@ -60,51 +60,60 @@ def probs_from_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p
 def batch_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     """logits [N, V] -> probabilities [N, V] after each row's temperature, top-k, top-p.
 
-    Temperature 0 gives a one-hot at the argmax (greedy as a distribution). Each full-vocabulary
-    pass costs ~1 ms per row at 262k tokens on a CPU: the ops run only where some row needs them.
+    Temperature 0 gives a one-hot at the argmax (greedy as a distribution). At 262k tokens a fresh
+    [N, V] tensor costs more than the arithmetic on it (page faults on a CPU), so after the one
+    allocation every step works in place, and each runs only where some row needs it.
     """
     vocab = logits.shape[-1]
     if st.all_greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     greedy = st.temperature == 0.0
-    scaled = logits / torch.where(greedy, 1.0, st.temperature)[:, None]
+    probs = logits / torch.where(greedy, 1.0, st.temperature)[:, None]  # the one allocation
     if 0 < st.max_top_k < vocab:
         use_k = (st.top_k > 0) & (st.top_k < vocab)
-        kth = torch.topk(scaled, st.max_top_k, dim=-1).values.gather(-1, (st.top_k.clamp(1, st.max_top_k) - 1)[:, None])
-        scaled = scaled.masked_fill_(use_k[:, None] & (scaled < kth), float("-inf"))
-    probs = scaled.softmax(-1)
+        kth = torch.topk(probs, st.max_top_k, dim=-1).values.gather(-1, (st.top_k.clamp(1, st.max_top_k) - 1)[:, None])
+        probs.masked_fill_(use_k[:, None] & (probs < kth), float("-inf"))
+    probs.sub_(probs.amax(-1, keepdim=True)).exp_()  # softmax, in place
+    probs.div_(probs.sum(-1, keepdim=True))
     if st.any_top_p:  # renormalise the nucleus (the same as a softmax over the kept logits)
-        keep = _top_p_keep(probs, st.top_p) | (st.top_p >= 1.0)[:, None]
-        probs = probs.mul_(keep)
-        probs = probs.div_(probs.sum(-1, keepdim=True))
+        probs.masked_fill_(probs < _top_p_threshold(probs, st.top_p)[:, None], 0.0)
+        probs.div_(probs.sum(-1, keepdim=True))
     if st.any_greedy:
-        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
+        rows = greedy.nonzero()[:, 0] if probs.device.type == "cpu" else torch.arange(len(greedy), device=probs.device)
+        one_hot = torch.zeros(len(rows), vocab, dtype=probs.dtype, device=probs.device)
+        one_hot.scatter_(-1, logits[rows].argmax(-1, keepdim=True), 1.0)
+        probs[rows] = torch.where(greedy[rows, None], one_hot, probs[rows])
     return probs
 
 
-def _top_p_keep(probs: Tensor, top_p: Tensor, candidates: int = 1024) -> Tensor:
-    """[N, V] bool: keep a token unless the probability mass before it (in descending order) already
-    reaches its row's top_p; the top token always stays. Exact: sorts only the top `candidates`
-    tokens, then 16x more, then everything, for rows whose nucleus is larger (a full sort of 262k
-    probabilities costs ~10 ms per row on a CPU; on an accelerator it is cheap and checking the
-    candidates would cost a host read, so it sorts everything at once)."""
+def _top_p_threshold(probs: Tensor, top_p: Tensor, candidates: int = 1024) -> Tensor:
+    """[N]: the smallest probability each row keeps. A token is kept unless the probability mass
+    before it (in descending order) already reaches its row's top_p; the top token always stays;
+    tokens tied with the last kept one stay too. Rows without top-p keep everything (0).
+
+    Exact without sorting the vocabulary: sorts only the top `candidates` tokens, then 16x more,
+    then everything, for rows whose nucleus is larger (a full sort of 262k probabilities costs
+    ~10 ms per row on a CPU; on an accelerator it is cheap and checking the candidates would cost
+    a host read, so it sorts everything at once)."""
     vocab = probs.shape[-1]
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    sizes = [vocab] if probs.device.type != "cpu" else [min(c, vocab) for c in (candidates, 16 * candidates)] + [vocab]
+    threshold = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    cpu = probs.device.type == "cpu"
+    sizes = [min(c, vocab) for c in (candidates, 16 * candidates)] + [vocab] if cpu else [vocab]
     rows = torch.arange(probs.shape[0], device=probs.device)
-    if probs.device.type == "cpu":  # rows without top-p are kept whole by the caller
+    if cpu:
         rows = rows[top_p < 1.0]
     for k in dict.fromkeys(sizes):  # in order, without repeats
-        top_probs, top_ids = torch.topk(probs[rows], k, dim=-1)  # sorted, descending
-        mass_before = top_probs.cumsum(-1) - top_probs
-        covered = (mass_before[:, -1] + top_probs[:, -1] >= top_p[rows]) | (k == vocab)
-        done = rows[covered]
-        keep[done] = keep[done].scatter_(-1, top_ids[covered], mass_before[covered] < top_p[done, None])
-        rows = rows[~covered]
         if rows.numel() == 0:
             break
-    return keep
+        top = torch.topk(probs if len(rows) == len(probs) else probs[rows], k, dim=-1).values  # descending
+        mass_before = top.cumsum(-1) - top
+        limit = top_p[rows, None]
+        covered = (mass_before[:, -1:] + top[:, -1:] >= limit)[:, 0] | (k == vocab)
+        kept = (mass_before < limit).sum(-1).clamp_(min=1)  # how many of the top tokens stay
+        cut = top.gather(1, (kept - 1)[:, None])[:, 0]
+        threshold[rows[covered]] = torch.where(top_p[rows[covered]] < 1.0, cut[covered], 0.0)
+        rows = rows[~covered]
+    return threshold
 
 
 def invalid_rows(probs: Tensor) -> Tensor:
