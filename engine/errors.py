@@ -7,15 +7,7 @@ meant for clients never carry internals; the log keeps the detail under the requ
 """
 from __future__ import annotations
 
-import logging
-
-log = logging.getLogger(__name__)
-
 INTERNAL_ERROR = "internal error while generating this request"
-
-
-class RowError(ValueError):
-    """One row's numbers make it unsampleable (its parameters, its logits): that request fails alone."""
 
 
 class ExecutorError(RuntimeError):
@@ -37,11 +29,3 @@ def error_kind(message: str) -> str:
         return "unavailable"
     return "invalid_request"
 
-
-def row_error_message(error: BaseException, request_id: str, stage: str) -> str:
-    """The client's message for a failed row; logs the detail under the request id."""
-    if isinstance(error, RowError):
-        log.warning("request %s failed in %s: %s", request_id, stage, error)
-        return str(error)
-    log.error("request %s failed in %s", request_id, stage, exc_info=error)
-    return INTERNAL_ERROR

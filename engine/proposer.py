@@ -14,10 +14,9 @@ from typing import Protocol
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, invalid_rows, mask_tokens, \
-    sample_inverse_cdf
+from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, held_back_pairs, invalid_rows, \
+    mask_tokens, sample_inverse_cdf
 from engine.step import DraftBatch, DraftOutput
-from engine.verifier import held_back_pairs
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
 

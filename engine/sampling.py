@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from engine.config import SamplingParams
-from engine.errors import RowError
 
 
 @dataclass
@@ -49,6 +48,18 @@ def mask_tokens(logits: Tensor, pairs: list[tuple[int, int]]) -> Tensor:
     logits = logits.clone()
     logits[index[:, 0], index[:, 1]] = float("-inf")
     return logits
+
+
+def held_back_pairs(batch_sampling, first_positions: list[int], counts: list[int], offset: int = 0,
+                    to_ids=lambda ids: list(ids)) -> list[tuple[int, int]]:
+    """(flat position, token id) pairs to mask: EOS/stop ids at the positions of a row that come
+    before min_tokens. Row b's positions are first_positions[b] + j, j < counts[b], which are step
+    positions offset + j."""
+    pairs = []
+    for row, first, n in zip(batch_sampling, first_positions, counts):
+        for j in range(max(0, min(n, row.hold_back_until - offset))):
+            pairs.extend((first + j, t) for t in to_ids(row.held_back_ids))
+    return pairs
 
 
 def probs_from_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> Tensor:
@@ -122,12 +133,6 @@ def invalid_rows(probs: Tensor) -> Tensor:
     return ~torch.isfinite(mass) | (mass <= 0)
 
 
-def check_distribution(probs: Tensor) -> None:
-    """Raise RowError unless every row of probs [..., V] is finite with positive mass."""
-    if bool(invalid_rows(probs.reshape(-1, probs.shape[-1])).any()):
-        raise RowError(INVALID_DISTRIBUTION)
-
-
 INVALID_DISTRIBUTION = ("the model produced no valid probability distribution for this request's sampling "
                         "parameters (non-finite or all-zero probabilities)")
 
@@ -141,7 +146,3 @@ def sample_inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     target = (uniforms * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
-
-def sample(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One token from probs [V] (tests and references; the engine samples with sample_inverse_cdf)."""
-    return int(torch.multinomial(probs, 1, generator=generator))

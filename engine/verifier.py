@@ -7,21 +7,10 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.rejection import block_sample, rejection_sample, synthetic_sample
-from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, invalid_rows, mask_tokens
+from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, held_back_pairs, invalid_rows, \
+    mask_tokens
 from engine.step import DraftOutput, VerifyBatch, VerifyOutput
 from engine.worker import ModelWorker
-
-
-def held_back_pairs(batch_sampling, first_positions: list[int], counts: list[int], offset: int = 0,
-                    to_ids=lambda ids: list(ids)) -> list[tuple[int, int]]:
-    """(flat position, token id) pairs to mask: EOS/stop ids at the positions of a row that come
-    before min_tokens. Row b's positions are first_positions[b] + j, j < counts[b], which are step
-    positions offset + j."""
-    pairs = []
-    for row, first, n in zip(batch_sampling, first_positions, counts):
-        for j in range(max(0, min(n, row.hold_back_until - offset))):
-            pairs.extend((first + j, t) for t in to_ids(row.held_back_ids))
-    return pairs
 
 
 class Verifier:

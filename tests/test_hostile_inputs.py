@@ -226,12 +226,9 @@ def test_a_client_that_leaves_frees_its_slot_even_when_it_asks_serve_not_to_noti
             tasks = [asyncio.create_task(leave()) for _ in range(4)]
             while engine_load(server["base"])[0] < 4:
                 await asyncio.sleep(0.01)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
     asyncio.run(main())
-    assert drained_within(server["base"], 2.0), engine_load(server["base"])
-    assert finished_by_length(server["base"]) == before
+    assert_drained_unfinished(server["base"], before)
 
 
 def test_big_body_does_not_stall_other_streams(server):
@@ -347,6 +344,18 @@ def finished_by_length(base: str) -> float:
                if line.startswith("tandem:request_success_total") and 'finished_reason="length"' in line)
 
 
+async def cancel_all(tasks) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def assert_drained_unfinished(base: str, finished_before: float) -> None:
+    """Running and waiting back to 0 within 2 s, and none of the dropped requests ran to max_tokens."""
+    assert drained_within(base, 2.0), engine_load(base)
+    assert finished_by_length(base) == finished_before
+
+
 def test_fifty_cancelled_grpc_streams_free_their_slots(server):
     import grpc.aio
 
@@ -364,8 +373,7 @@ def test_fifty_cancelled_grpc_streams_free_their_slots(server):
             return [await c.code() for c in calls]
     codes = asyncio.run(main())
     assert codes == [grpc.StatusCode.CANCELLED] * 50
-    assert drained_within(server["base"], 2.0), engine_load(server["base"])
-    assert finished_by_length(server["base"]) == before  # none ran to max_tokens
+    assert_drained_unfinished(server["base"], before)
 
 
 def test_fifty_cancelled_http_streams_free_their_slots(server):
@@ -381,12 +389,9 @@ def test_fifty_cancelled_http_streams_free_their_slots(server):
                             return  # the first chunk: drop the connection
             tasks = [asyncio.create_task(one()) for _ in range(50)]
             await asyncio.sleep(0.5)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
     asyncio.run(main())
-    assert drained_within(server["base"], 2.0), engine_load(server["base"])
-    assert finished_by_length(server["base"]) == before  # none ran to max_tokens
+    assert_drained_unfinished(server["base"], before)
 
 
 def test_nothing_above_was_logged_as_an_exception(server):
