@@ -65,7 +65,7 @@ class DraftModelProposer:
             if not self.probabilistic:
                 drafts[index, step] = logits.argmax(-1)
                 continue
-            q = batch_probs(logits, SamplingTensors.build([params[b] for b in active], dev))
+            q = batch_probs(logits, SamplingTensors.build([params[b] for b in active], dev), inplace=True)
             invalid = invalid_rows(q)
             bad[index] |= invalid
             q = torch.where(invalid[:, None], 1.0 / q.shape[-1], q)

@@ -3,7 +3,8 @@
 Layout (vLLM's): the step's drafts are flat, `drafts` [num_draft_tokens] with row b owning
 `num_drafts[b]` of them in order; the target's distributions are flat too, `p`
 [num_draft_tokens + B, V], row b owning k_b + 1 positions (p[i] is the target's distribution for the
-token after draft i-1; the last follows all k_b drafts: the bonus position). `q`
+token after draft i-1; the last follows all k_b drafts: the bonus position), dense or sparse
+(`sampling.Probs`: a CPU step's nuclei, so nothing here reads the whole vocabulary). `q`
 [num_draft_tokens, V] holds the draft distributions, or None for a greedy drafter (q one-hot at each
 draft). Randomness comes in as tensors drawn from each request's own generator: `uniforms` [B, K]
 for the acceptance tests and `final` [B] for the one token each row samples (recovered or bonus:
@@ -18,14 +19,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.sampling import sample_inverse_cdf
+from engine.sampling import Probs
 
 
 class _Layout:
     """Index tensors for the padded [B, K] view of a flat step."""
 
-    def __init__(self, p: Tensor, drafts: Tensor, num_drafts: list[int]):
-        dev = p.device
+    def __init__(self, p: Probs, drafts: Tensor, num_drafts: list[int]):
+        dev = p.values.device
         self.B, self.K = len(num_drafts), max(num_drafts, default=0)
         self.k = torch.tensor(num_drafts, dtype=torch.long, device=dev)  # [B]
         self.p_start = torch.cumsum(self.k + 1, 0) - (self.k + 1)  # [B] row b's first position in p
@@ -38,12 +39,11 @@ class _Layout:
         self.drafts = torch.where(self.valid, drafts[self.d_idx], 0) if drafts.numel() else \
             torch.zeros(self.B, self.K, dtype=torch.long, device=dev)
 
-    def q_rows(self, q: Tensor | None, p: Tensor, at: Tensor) -> Tensor:
-        """[B, V]: each row's draft distribution at draft position at[b] (one-hot without q)."""
+    def q_on(self, rows: Probs, q: Tensor | None, at: Tensor) -> Tensor:
+        """Each row's draft distribution at draft position at[b], read on `rows`' tokens (one-hot without q)."""
         if q is not None:
-            return q[self.d_idx.gather(1, at[:, None]).squeeze(1)]
-        one_hot = torch.zeros(self.B, p.shape[-1], dtype=p.dtype, device=p.device)
-        return one_hot.scatter_(1, self.drafts.gather(1, at[:, None]), 1.0)
+            return rows.read(q[self.d_idx.gather(1, at[:, None]).squeeze(1)])
+        return rows.one_hot(self.drafts.gather(1, at[:, None]).squeeze(1))
 
     def finish(self, accepted: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
         tokens = torch.cat([self.drafts, self.drafts.new_zeros(self.B, 1)], 1)
@@ -52,35 +52,45 @@ class _Layout:
         return tokens.masked_fill(beyond, -1), accepted
 
 
-def _draft_probs(layout: _Layout, p: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor]:
+def _draft_probs(layout: _Layout, p: Probs, q: Tensor | None) -> tuple[Tensor, Tensor]:
     """p(d_i) and q(d_i) for every draft, [B, K] each."""
-    p_d = p[layout.pos[:, : layout.K], layout.drafts]
+    p_d = p.prob_of(layout.pos[:, : layout.K], layout.drafts)
     q_d = torch.ones_like(p_d) if q is None else q[layout.d_idx, layout.drafts]
     return p_d, q_d
 
 
-def rejection_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | None,
+def _final(layout: _Layout, p: Probs, q: Tensor | None, accepted: Tensor, final: Tensor,
+           weight: Tensor | None = None) -> Tensor:
+    """Each row's one sampled token: from normalise(max(0, w p - q)) at its first rejection, or
+    from p at its bonus position. p == q leaves nothing to recover; a rejection then has
+    probability 0, so any choice is exact."""
+    rows = p.rows(layout.pos.gather(1, accepted[:, None]).squeeze(1))  # [B, C]
+    scaled = rows.values if weight is None else weight[:, None] * rows.values
+    residual = (scaled - layout.q_on(rows, q, accepted.clamp(max=layout.K - 1))).clamp_(min=0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, rows.values)
+    return rows.sample(final, torch.where((accepted < layout.k)[:, None], residual, rows.values))
+
+
+def _as_probs(p: Tensor | Probs) -> Probs:
+    return p if isinstance(p, Probs) else Probs(p)
+
+
+def rejection_sample(p: Probs | Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | None,
                      uniforms: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:
     """Lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft i is accepted
     with probability min(1, p(d)/q(d)); at the first rejection the token comes from
     normalise(max(0, p - q)); after all k_b accepts, a bonus token from the last position."""
+    p = _as_probs(p)
     L = _Layout(p, drafts, num_drafts)
     if L.K == 0:
-        return L.finish(torch.zeros(L.B, dtype=torch.long, device=p.device),
-                        sample_inverse_cdf(p[L.p_start], final))
+        return L.finish(torch.zeros(L.B, dtype=torch.long, device=L.k.device), p.rows(L.p_start).sample(final))
     p_d, q_d = _draft_probs(L, p, q)
     ok = L.valid & (uniforms[:, : L.K] * q_d < p_d)
     accepted = ok.long().cumprod(1).sum(1)  # [B] accepted before the first rejection
-    p_final = p[L.pos.gather(1, accepted[:, None]).squeeze(1)]  # [B, V]
-    at = accepted.clamp(max=L.K - 1)
-    residual = (p_final - L.q_rows(q, p, at)).clamp_(min=0.0)
-    # p == q leaves nothing to recover; a rejection then has probability 0, so any choice is exact
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
-    dist = torch.where((accepted < L.k)[:, None], residual, p_final)
-    return L.finish(accepted, sample_inverse_cdf(dist, final))
+    return L.finish(accepted, _final(L, p, q, accepted, final))
 
 
-def block_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | None,
+def block_sample(p: Probs | Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | None,
                  uniforms: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:
     """Block verification (Sun et al. 2024, arXiv 2403.10444): judges the draft block as a whole
     instead of token by token. Lossless like `rejection_sample`, and accepts at least as many tokens
@@ -92,46 +102,46 @@ def block_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], q: Tensor | N
     accepted length is the last such i. The next token comes from normalise(max(0, w_t p_t - q_t))
     at the accepted length t, or from p_k when the whole block is accepted.
     """
+    p = _as_probs(p)
     L = _Layout(p, drafts, num_drafts)
     if L.K == 0:
         return rejection_sample(p, drafts, num_drafts, q, uniforms, final)
+    dev = L.k.device
     p_d, q_d = _draft_probs(L, p, q)
     ratio = torch.where(q_d > 0, p_d / q_d.clamp(min=1e-30), 0.0)
-    w = torch.ones(L.B, dtype=p.dtype, device=p.device)
+    w = torch.ones(L.B, dtype=p_d.dtype, device=dev)
     weights = [w]
-    accepted = torch.zeros(L.B, dtype=torch.long, device=p.device)
+    accepted = torch.zeros(L.B, dtype=torch.long, device=dev)
     for i in range(1, L.K + 1):  # over positions, each a batched op: K is small
         w = torch.minimum(torch.ones_like(w), w * ratio[:, i - 1])
         weights.append(w)
         at_end = L.k == i
         if i < L.K:
-            at = torch.full((L.B,), i, dtype=torch.long, device=p.device)
-            r = (w[:, None] * p[L.pos[:, i]] - L.q_rows(q, p, at)).clamp_(min=0.0).sum(-1)
+            rows = p.rows(L.pos[:, i])
+            at = torch.full((L.B,), i, dtype=torch.long, device=dev)
+            r = (w[:, None] * rows.values - L.q_on(rows, q, at)).clamp_(min=0.0).sum(-1)
             h = torch.where(r > 0, r / (r + 1.0 - w), 0.0)
             h = torch.where(at_end, w, h)
         else:
             h = w
         keep = L.valid[:, i - 1] & (uniforms[:, i - 1] < h)
         accepted = torch.where(keep, i, accepted)
-    w_t = torch.stack(weights, 1).gather(1, accepted[:, None])  # [B, 1]
-    p_final = p[L.pos.gather(1, accepted[:, None]).squeeze(1)]
-    residual = (w_t * p_final - L.q_rows(q, p, accepted.clamp(max=L.K - 1))).clamp_(min=0.0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
-    dist = torch.where((accepted < L.k)[:, None], residual, p_final)
-    return L.finish(accepted, sample_inverse_cdf(dist, final))
+    w_t = torch.stack(weights, 1).gather(1, accepted[:, None])[:, 0]
+    return L.finish(accepted, _final(L, p, q, accepted, final, weight=w_t))
 
 
-def synthetic_sample(p: Tensor, drafts: Tensor, num_drafts: list[int], rates: Tensor,
+def synthetic_sample(p: Probs | Tensor, drafts: Tensor, num_drafts: list[int], rates: Tensor,
                      uniforms: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:
     """Benchmark mode, vLLM's semantics: rates [K] are unconditional, rates[i] = P(the first i+1 drafts
     are all accepted), whatever the tokens and the temperature. One uniform per row decides how many:
     accepted = #{i < k_b: u < rates[i]}. The accepted drafts are emitted as drafted, then one target
     token. NOT lossless: never outside benchmarks."""
+    p = _as_probs(p)
     L = _Layout(p, drafts, num_drafts)
     if L.K == 0:
         return rejection_sample(p, drafts, num_drafts, None, uniforms, final)
-    accepted = (L.valid & (uniforms[:, :1] < rates[None, : L.K].to(p.device))).long().sum(1)
-    return L.finish(accepted, sample_inverse_cdf(p[L.pos.gather(1, accepted[:, None]).squeeze(1)], final))
+    accepted = (L.valid & (uniforms[:, :1] < rates[None, : L.K].to(L.k.device))).long().sum(1)
+    return L.finish(accepted, p.rows(L.pos.gather(1, accepted[:, None]).squeeze(1)).sample(final))
 
 
 def verify_greedy(target_logits: Tensor, drafts: list[int]) -> list[int]:

@@ -7,8 +7,7 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.rejection import block_sample, rejection_sample, synthetic_sample
-from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, held_back_pairs, invalid_rows, \
-    mask_tokens
+from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, held_back_pairs, mask_tokens, step_probs
 from engine.step import DraftOutput, VerifyBatch, VerifyOutput
 from engine.worker import ModelWorker
 
@@ -35,12 +34,14 @@ class Verifier:
             firsts.append(len(index))
             start = b * T + len(batch.pending[b]) - 1
             index.extend(range(start, start + counts[b] + 1))
-        flat = logits.reshape(B * T, V)[torch.tensor(index, dtype=torch.long, device=dev)]
-        flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]))
+        # every row feeding one pending token and all its drafts: the logits are already flat
+        flat = logits.reshape(B * T, V)
+        if index != list(range(B * T)):
+            flat = flat[torch.tensor(index, dtype=torch.long, device=dev)]
+        flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]), inplace=True)
         params = [row.params for row in batch.sampling]
-        p = batch_probs(flat, SamplingTensors.build(params, dev, repeats=[k + 1 for k in counts]))
-        bad = invalid_rows(p)  # a row whose numbers can't be sampled fails alone, after the step
-        p = torch.where(bad[:, None], 1.0 / V, p)
+        # overwrites flat (ours: the forward's output, or a copy of its rows)
+        p, bad = step_probs(flat, SamplingTensors.build(params, dev, repeats=[k + 1 for k in counts]))
         row_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(counts, device=dev) + 1)
         bad_row = torch.zeros(B, device=dev).index_add_(0, row_of, bad.float()) > 0
 

@@ -11,6 +11,9 @@ TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 PROMPT = "the cat"
 N = 4000
 MIXED = [dict(temperature=1.0), dict(temperature=0.6, top_p=0.8), dict(temperature=1.3, top_k=5)]
+# every row truncates: the CPU's sparse path (engine/sampling.py step_probs)
+TRUNCATED = [dict(temperature=0.6, top_p=0.8), dict(temperature=1.3, top_k=5),
+             dict(temperature=1.0, top_k=20, top_p=0.9)]
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +26,31 @@ def plain():
 def test_mixed_parameters_in_one_step_are_each_lossless(plain, draft_sample_method, method):
     """Rows of three sampling settings and greedy rows interleaved, 64 to a step: each setting's first
     two tokens follow the target's distribution for that setting; greedy rows give the greedy text."""
+    check_mixed_batch(plain, draft_sample_method, method, MIXED)
+
+
+@pytest.mark.parametrize("draft_sample_method, method", [("greedy", "standard"), ("probabilistic", "block")])
+def test_truncated_rows_in_one_step_are_each_lossless(plain, draft_sample_method, method):
+    """The same with every row truncated (top-p, top-k, greedy): the sparse path on a CPU."""
+    check_mixed_batch(plain, draft_sample_method, method, TRUNCATED)
+
+
+def check_mixed_batch(plain, draft_sample_method, method, settings):
     llm = LLM(model=TARGET, max_num_seqs=64, seed=3,
               speculative_config={"model": DRAFT, "num_speculative_tokens": 3,
                                   "draft_sample_method": draft_sample_method, "rejection_sample_method": method})
-    kinds = [i % (len(MIXED) + 1) for i in range(N)]  # the last kind is greedy
-    params = [SamplingParams(**(MIXED[k] if k < len(MIXED) else dict(temperature=0.0)), max_tokens=2,
+    kinds = [i % (len(settings) + 1) for i in range(N)]  # the last kind is greedy
+    params = [SamplingParams(**(settings[k] if k < len(settings) else dict(temperature=0.0)), max_tokens=2,
                              ignore_eos=True, seed=s) for s, k in enumerate(kinds)]
     outs = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * N, params)]
     ids = plain.get_tokenizer().encode(PROMPT)
-    for k, kw in enumerate(MIXED):
+    for k, kw in enumerate(settings):
         rows = [o for o, kind in zip(outs, kinds) if kind == k]
         p1, p2 = exact_first_two(plain, ids, kw["temperature"], kw.get("top_p", 1.0), kw.get("top_k", -1))
         assert chi_squared_pvalue([r[0] for r in rows], p1) > ALPHA, kw
         assert chi_squared_pvalue([r[1] for r in rows], p2) > ALPHA, kw
     greedy = plain.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
-    assert {tuple(o) for o, kind in zip(outs, kinds) if kind == len(MIXED)} == {tuple(greedy.outputs[0].token_ids)}
+    assert {tuple(o) for o, kind in zip(outs, kinds) if kind == len(settings)} == {tuple(greedy.outputs[0].token_ids)}
 
 
 @pytest.mark.parametrize("spec", [{"draft_sample_method": "greedy"}, {"draft_sample_method": "probabilistic"},
