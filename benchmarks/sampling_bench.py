@@ -84,7 +84,7 @@ def main() -> None:
             if args.drafts == "target":
                 drafts = [[] for _ in range(batch)]
                 for step in range(k):
-                    last = [p[-1]] if step == 0 else [d[-1] for d in drafts]
+                    last = [q[-1] for q in prompts] if step == 0 else [d[-1] for d in drafts]
                     out = worker.forward(list(range(batch)), [31 + step] * batch, [[t] for t in last], last_only=True)
                     for b, t in enumerate(out[:, 0].argmax(-1).tolist()):
                         drafts[b].append(t)
