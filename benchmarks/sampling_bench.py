@@ -3,8 +3,8 @@
 Gemma 3 270M's vocabulary (262,144), batch 1 and 8, K = 3 and 5, temperature 0.8 with top-p 0.95
 (the sampled path; greedy rows are an argmax either way), greedy drafter. "before" is the per-row
 loop of commit fdf0e6a (its sampling.py and rejection.py, loaded from git in this process); "dense"
-is the batched verifier on dense [N, V] distributions (commit bca2711's path, still the one for an
-accelerator or an untruncated row); "after" is the verifier's own path (`step_probs`: sparse
+is the batched verifier on dense [N, V] distributions, allocating them afresh (what an accelerator
+runs); "after" is the verifier's own path (`step_probs`: sparse
 nuclei on a CPU when every row truncates), on a copy of the same logits, as the verifier
 overwrites the forward's output. All take turns, `--iters` times each.
 
@@ -50,6 +50,7 @@ def main() -> None:
                         help="random: random token ids (rejected: the positions after them see garbage, "
                              "flatter distributions); target: the target's own greedy continuation (what a "
                              "good drafter proposes)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="1.0: untruncated rows (the dense path)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -68,7 +69,7 @@ def main() -> None:
 
     text = (ROOT / "README.md").read_text()
     worker_tokens = load_tokenizer(resolve_model("google/gemma-3-270m"), None).encode(text)[:400]
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64)
+    params = SamplingParams(temperature=0.8, top_p=args.top_p, max_tokens=64)
     rows = []
     for batch in (1, 8):
         for k in (3, 5):
@@ -136,7 +137,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['k']:>3} {r['forward_ms']:>11.1f} {r['before_ms']:>10.1f} {r['dense_ms']:>9.1f} "
               f"{r['after_ms']:>9.1f} {r['before_share']:>10.0%} {r['dense_share']:>9.0%} {r['after_share']:>9.0%}")
-    out = ROOT / "benchmarks" / "results" / f"sampling_bench_{args.prompts}_{args.drafts}_drafts.json"
+    out = ROOT / "benchmarks" / "results" / f"sampling_bench_{args.prompts}_{args.drafts}_drafts{'' if args.top_p == 0.95 else f'_top_p_{args.top_p}'}.json"
     out.write_text(json.dumps({"vocab": vocab, "iters": args.iters, "threads": args.threads, "before": BEFORE,
                                "prompts": args.prompts, "drafts": args.drafts,
                                "params": params.model_dump(), "rows": rows}, indent=2) + "\n")

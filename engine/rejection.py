@@ -64,11 +64,28 @@ def _final(layout: _Layout, p: Probs, q: Tensor | None, accepted: Tensor, final:
     """Each row's one sampled token: from normalise(max(0, w p - q)) at its first rejection, or
     from p at its bonus position. p == q leaves nothing to recover; a rejection then has
     probability 0, so any choice is exact."""
-    rows = p.rows(layout.pos.gather(1, accepted[:, None]).squeeze(1))  # [B, C]
+    rows = p.rows(layout.pos.gather(1, accepted[:, None]).squeeze(1))  # [B, C], a copy
+    rejected = accepted < layout.k
+    if q is None:
+        # q one-hot at the draft d: max(0, w p - q) is w p without d (w p(d) <= 1), so the row's own
+        # values with d zeroed, in place: no [B, V] temporaries on the dense path
+        draft = layout.drafts.gather(1, accepted.clamp(max=layout.K - 1)[:, None])  # [B, 1]
+        if rows.tokens is None:
+            column, present = draft, torch.ones_like(draft, dtype=torch.bool)
+        else:  # a sparse row may not hold the draft (then p(d) = 0: nothing to drop)
+            match = rows.tokens == draft
+            column, present = match.long().argmax(-1, keepdim=True), match.any(-1, keepdim=True)
+        p_draft = rows.values.gather(1, column)
+        rest = rows.values.sum(-1, keepdim=True) - p_draft * present
+        drop = rejected[:, None] & present & (rest > 0)
+        if weight is not None:
+            drop &= weight[:, None] > 0
+        rows.values.scatter_(1, column, torch.where(drop, 0.0, p_draft))
+        return rows.sample(final)
     scaled = rows.values if weight is None else weight[:, None] * rows.values
     residual = (scaled - layout.q_on(rows, q, accepted.clamp(max=layout.K - 1))).clamp_(min=0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, rows.values)
-    return rows.sample(final, torch.where((accepted < layout.k)[:, None], residual, rows.values))
+    return rows.sample(final, torch.where(rejected[:, None], residual, rows.values))
 
 
 def _as_probs(p: Tensor | Probs) -> Probs:

@@ -179,7 +179,7 @@ def step_probs(logits: Tensor, st: SamplingTensors) -> tuple[Probs, Tensor]:
             return sparse
     probs = _dense(e, st, best)
     bad = invalid_rows(probs)
-    return Probs(torch.where(bad[:, None], 1.0 / probs.shape[-1], probs)), bad
+    return Probs(probs.masked_fill_(bad[:, None], 1.0 / probs.shape[-1])), bad
 
 
 def _sparse(e: Tensor, st: SamplingTensors, best: Tensor | None) -> tuple[Probs, Tensor] | None:
