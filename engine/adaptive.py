@@ -3,6 +3,7 @@
 With per-draft acceptance a, K drafts yield E(K) = (1 - a^(K+1)) / (1 - a) tokens per step
 (Leviathan et al.), at a cost of K draft steps plus one verify of K+1 tokens. In units of one plain
 target step: cost(K) = K*c + v(K), c = draft step / target step, v(K) = verify(K+1 tokens) / verify(1).
+With parallel drafting one draft forward proposes all K: cost(K) = c + v(K), c = that forward.
 K = 0 is plain decoding (E = 1, cost = 1). The policy takes the K in [0, K_max] with the best
 E(K)/cost(K); costs are measured by the engine as it runs, acceptance per request.
 """
@@ -20,12 +21,14 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def choose_k(alpha: float, draft_cost: float, verify_cost: list[float], k_max: int,
-             step_overhead: float = 0.0) -> int:
+             step_overhead: float = 0.0, parallel: bool = False) -> int:
     """Best K in [0, k_max]; draft_cost = c, verify_cost[k] = v(k) (v(0) = 1), step_overhead = what
-    a step costs beyond its forwards (sampling, bookkeeping, transfers), all in target steps."""
+    a step costs beyond its forwards (sampling, bookkeeping, transfers), all in target steps;
+    parallel: c is the one draft forward that proposes all K."""
     best_k, best_rate = 0, 1.0 / (1.0 + step_overhead)
     for k in range(1, k_max + 1):
-        rate = expected_tokens(alpha, k) / (k * draft_cost + verify_cost[k] + step_overhead)
+        drafting = draft_cost if parallel else k * draft_cost
+        rate = expected_tokens(alpha, k) / (drafting + verify_cost[k] + step_overhead)
         if rate > best_rate * 1.02:  # a 2% margin keeps noise from flipping to speculation
             best_k, best_rate = k, rate
     return best_k
@@ -38,6 +41,7 @@ class CostModel:
 
     k_max: int
     window: int = 8
+    parallel: bool = False  # parallel drafting: a step's drafts cost one forward, whatever K
     draft_s: deque = field(default_factory=deque)  # one draft forward (batched)
     verify_s: list[deque] = field(default_factory=list)  # index k: a verify of k+1 tokens per row
     overhead_s: deque = field(default_factory=deque)  # a step's wall time beyond its two forwards
@@ -49,7 +53,7 @@ class CostModel:
 
     def observe(self, num_drafts: int, propose_s: float, verify_s: float, step_s: float | None = None) -> None:
         if num_drafts > 0 and propose_s > 0:
-            self.draft_s.append(propose_s / num_drafts)
+            self.draft_s.append(propose_s if self.parallel else propose_s / num_drafts)
         self.verify_s[num_drafts].append(verify_s)
         if step_s is not None:
             self.overhead_s.append(max(0.0, step_s - propose_s - verify_s))
@@ -130,4 +134,4 @@ def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> in
     if estimate.steps_without_drafts >= PROBE_EVERY:
         return 1
     c, v = ratios
-    return choose_k(estimate.alpha, c, v, k_max, costs.step_overhead())
+    return choose_k(estimate.alpha, c, v, k_max, costs.step_overhead(), costs.parallel)

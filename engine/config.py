@@ -71,9 +71,6 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("speculative_config: set 'model' (the draft model) or 'method'")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: 'model' is required with method 'draft_model'")
-        if self.parallel_drafting:
-            raise ValueError("speculative_config: 'parallel_drafting' needs a draft model trained for parallel "
-                             "drafting (PARD); Tandem does not support it yet")
         synthetic = self.rejection_sample_method == "synthetic"
         rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
         if not synthetic and (rates is not None or length is not None):
@@ -168,6 +165,26 @@ class EngineConfig(BaseModel):
         if self.dtype == "auto":  # exact float32 on CPU; bfloat16 on GPU
             return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+# Where a draft trained for parallel drafting names its mask token (the keys vLLM reads).
+PARALLEL_DRAFTING_TOKEN_KEYS = ("pard_token", "ptd_token_id", "dflash_config.mask_token_id")
+
+
+def parallel_drafting_token(draft_config) -> int:
+    """The draft's mask token for parallel drafting (PARD), from its HF config."""
+    dflash = getattr(draft_config, "dflash_config", None) or {}
+    for value in (dflash.get("mask_token_id") if isinstance(dflash, dict) else None,
+                  getattr(draft_config, "pard_token", None), getattr(draft_config, "ptd_token_id", None)):
+        if value is not None:
+            token = int(value)
+            if not 0 <= token < draft_config.vocab_size:
+                raise ValueError(f"speculative_config: the draft's parallel drafting token ({token}) is outside "
+                                 f"its vocabulary (size {draft_config.vocab_size})")
+            return token
+    raise ValueError("speculative_config: 'parallel_drafting' needs a draft model trained for parallel drafting "
+                     "(PARD): its config.json must name the mask token as one of "
+                     + ", ".join(f"'{k}'" for k in PARALLEL_DRAFTING_TOKEN_KEYS) + "; this draft has none")
 
 
 def check_model_pair(spec: SpeculativeConfig, target_vocab: int, draft_vocab: int,

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig, check_model_pair
+from engine.config import EngineConfig, check_model_pair, parallel_drafting_token
 from engine.executor import LocalExecutor, RayExecutor
 from engine.models.loading import load_config, load_tokenizer, resolve_model
 from engine.scheduler import Scheduler
@@ -57,6 +57,8 @@ class EngineCore:
             check_model_pair(spec, hf_config.vocab_size, draft_config.vocab_size,
                              limit, draft_config.max_position_embeddings)
             limit = min(limit, draft_config.max_position_embeddings)
+            if spec.parallel_drafting:
+                parallel_drafting_token(draft_config)
             if spec.use_heterogeneous_vocab:
                 vocab_mapping = VocabMapping(self.tokenizer, load_tokenizer(draft_source),
                                              hf_config.vocab_size, draft_config.vocab_size)

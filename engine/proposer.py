@@ -6,6 +6,11 @@ still drafting, as a device tensor. `draft_sample_method` greedy takes the argma
 then treats q as one-hot); probabilistic samples from q, the draft's distribution after the
 request's temperature/top-k/top-p, and hands q to the verifier. The proposals cross to the host
 once, at the end.
+
+With `parallel_drafting` (PARD) one forward proposes all k_b: each row feeds its pending tokens and
+k_b - 1 copies of the draft's mask token, and its proposals come from the logits at its last
+pending token and at each mask. Draft i then doesn't see drafts 1..i-1; rejection sampling stays
+exact, as any draft distribution q_i does, given the q_i it was sampled from.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from engine.config import SpeculativeConfig
+from engine.config import SpeculativeConfig, parallel_drafting_token
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, held_back_pairs, invalid_rows, \
     mask_tokens, sample_inverse_cdf
 from engine.step import DraftBatch, DraftOutput
@@ -30,6 +35,7 @@ class DraftModelProposer:
                  vocab_mapping: VocabMapping | None = None):
         self.worker = worker
         self.probabilistic = spec.draft_sample_method == "probabilistic"
+        self.mask_token = parallel_drafting_token(worker.hf_config) if spec.parallel_drafting else None
         self.target_vocab = target_vocab
         self.mapping = vocab_mapping
         if vocab_mapping is not None:  # the tables on this worker's device
@@ -41,6 +47,8 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> DraftOutput:
+        if self.mask_token is not None:
+            return self._propose_parallel(batch)
         B, K = len(batch.slots), max(batch.num_drafts)
         dev = self.worker.device
         params = [row.params for row in batch.sampling]
@@ -83,6 +91,52 @@ class DraftModelProposer:
             return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors)
         return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors, probs=self._flat_probs(batch, q_steps))
 
+    def _propose_parallel(self, batch: DraftBatch) -> DraftOutput:
+        B, ks = len(batch.slots), batch.num_drafts
+        dev = self.worker.device
+        feed = [batch.pending[b] + [self.mask_token] * (ks[b] - 1) for b in range(B)]
+        logits = self.worker.forward(batch.slots, batch.starts, feed)  # [B, T, V]
+        T, V = logits.shape[1], logits.shape[2]
+        firsts, index = [], []
+        for b in range(B):  # row b's k_b proposing positions: its last pending token, then its masks
+            firsts.append(len(index))
+            start = b * T + len(batch.pending[b]) - 1
+            index.extend(range(start, start + ks[b]))
+        logits = logits.reshape(B * T, V)[torch.tensor(index, dtype=torch.long, device=dev)]  # [sum k_b, V]
+        if self.mapping is not None:
+            logits.masked_fill_(~self.draft_mask, float("-inf"))
+        logits = mask_tokens(logits, held_back_pairs(batch.sampling, firsts, ks, 0, self._draft_ids), inplace=True)
+        row_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(ks, device=dev))
+        bad = torch.zeros(B, dtype=torch.bool, device=dev)
+        q = None
+        if not self.probabilistic:
+            drafts = logits.argmax(-1)
+        else:
+            params = [row.params for row in batch.sampling]
+            q = batch_probs(logits, SamplingTensors.build(params, dev, repeats=ks), inplace=True)
+            invalid = invalid_rows(q)
+            bad = torch.zeros(B, device=dev).index_add_(0, row_of, invalid.float()) > 0
+            q.masked_fill_(invalid[:, None], 1.0 / V)
+            uniforms, _ = self.worker.draws([r.request_id for r in batch.sampling], [p.greedy for p in params],
+                                            ks, max(ks))
+            column = torch.arange(len(index), device=dev) - torch.tensor(firsts, device=dev)[row_of]
+            drafts = sample_inverse_cdf(q, uniforms[row_of, column])
+        if self.mapping is not None:
+            drafts = self.draft_to_target[drafts]
+        # the proposals' one device-to-host transfer
+        host = torch.cat([drafts, bad.long()]).tolist()
+        tokens = [host[firsts[b]: firsts[b] + ks[b]] for b in range(B)]
+        errors = {batch.slots[b]: INVALID_DISTRIBUTION for b in range(B) if host[len(index) + b]}
+        if q is not None and self.mapping is not None:
+            q = self._to_target(q)
+        return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors, probs=q)
+
+    def _to_target(self, q: torch.Tensor) -> torch.Tensor:
+        """Draft distributions [N, V_draft] -> [N, V_target] (TLI: zero outside the intersection)."""
+        out = q.new_zeros(q.shape[0], self.target_vocab)
+        out[:, self.mapped_target] = q[:, self.mapped_draft]
+        return out
+
     def _flat_probs(self, batch: DraftBatch, q_steps) -> torch.Tensor:
         """[sum k_b, V_target]: row b's draft distributions in order, rows in batch order."""
         per_row: list[list[torch.Tensor]] = [[] for _ in batch.slots]
@@ -90,11 +144,7 @@ class DraftModelProposer:
             for i, b in enumerate(active):
                 per_row[b].append(q[i])
         q = torch.stack([x for row in per_row for x in row])
-        if self.mapping is None:
-            return q
-        out = q.new_zeros(q.shape[0], self.target_vocab)
-        out[:, self.mapped_target] = q[:, self.mapped_draft]
-        return out
+        return q if self.mapping is None else self._to_target(q)
 
     def _draft_ids(self, target_ids: tuple[int, ...]) -> list[int]:
         if self.mapping is None:

@@ -65,7 +65,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SpecDecodeStats()
         self.counters = EngineCounters()
-        self.costs = CostModel(self.spec.num_speculative_tokens) if self.spec else None
+        self.costs = CostModel(self.spec.num_speculative_tokens, parallel=self.spec.parallel_drafting) \
+            if self.spec else None
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
@@ -187,8 +188,9 @@ class Scheduler:
             n_pending = len(verify.pending[b])
             seq.target_cached += n_pending + accepted
             if k > 0:
-                # the draft cache now holds all of draft_ids (its pending tokens were fed) and drafts 1..k-1
-                seq.draft_cached = len(seq.draft_ids) + min(accepted, k - 1)
+                # the draft cache now holds all of draft_ids (its pending tokens were fed) and drafts
+                # 1..k-1; with parallel drafting it saw mask tokens in their place, so only draft_ids
+                seq.draft_cached = len(seq.draft_ids) + (0 if self.spec.parallel_drafting else min(accepted, k - 1))
             try:
                 self._append(seq, new)
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing; fails this request only

@@ -42,9 +42,10 @@ def draft_pieces() -> list[str]:
     return ["Ġ" + w for w in COMMON + DRAFT_ONLY][: VOCAB - len(SPECIALS)]
 
 
-def write_model(directory: Path, pieces: list[str], marker: str, seed: int) -> Path:
+def write_model(directory: Path, pieces: list[str], marker: str, seed: int, **config_keys) -> Path:
     config, _, state = random_checkpoint("tiny-llama", seed)
     assert config.vocab_size == VOCAB
+    config.update(config_keys)
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)
     save_file(state, directory / "model.safetensors")

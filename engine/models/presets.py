@@ -21,10 +21,19 @@ PRESETS: dict[str, dict] = {
                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=128,
                         initializer_range=0.2, sliding_window=8, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # A draft that declares a mask token for parallel drafting (PARD); its weights are tiny-llama's
+    # for the same seed (random, so its drafts are untrained either way).
+    "tiny-llama-pard": dict(model_type="llama", vocab_size=48, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                            initializer_range=0.2, rope_theta=10000.0, pard_token=47),
     # Real shapes for benchmarks: SmolLM2-135M and a 1.7B Llama (SmolLM2-1.7B's shape).
     "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
                          initializer_range=0.02, rope_theta=100000.0, tie_word_embeddings=True),
+    "smollm2-135m-pard": dict(model_type="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                              num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                              initializer_range=0.02, rope_theta=100000.0, tie_word_embeddings=True,
+                              pard_token=49151),
     "llama-1.7b": dict(model_type="llama", vocab_size=49152, hidden_size=2048, num_hidden_layers=24,
                        num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192,
                        initializer_range=0.02, rope_theta=130000.0, tie_word_embeddings=True),
