@@ -65,18 +65,18 @@ def generate(core: EngineCore, params: SamplingParams, prompt: str) -> tuple[int
     return len(seq.output_ids), time.perf_counter() - start
 
 
-def run_against_plain(core: EngineCore, spec: SpecState, plain: SpecState, params: SamplingParams,
-                      prompts: list[str]) -> tuple[float, float]:
-    """(speculative tok/s, plain tok/s), the two taking turns prompt by prompt (alternating which
-    goes first) so both see the same machine noise."""
-    totals = {id(spec): [0, 0.0], id(plain): [0, 0.0]}
+def take_turns(core: EngineCore, states: list[SpecState], params: SamplingParams, prompts: list[str]) -> list[float]:
+    """tok/s of each state, the states taking turns prompt by prompt (rotating which goes first) so
+    all see the same machine noise."""
+    totals = [[0, 0.0] for _ in states]
     for i, prompt in enumerate(prompts):
-        for state in (spec, plain) if i % 2 == 0 else (plain, spec):
-            state.activate(core)
+        for j in range(len(states)):
+            turn = (i + j) % len(states)
+            states[turn].activate(core)
             tokens, seconds = generate(core, params, prompt)
-            totals[id(state)][0] += tokens
-            totals[id(state)][1] += seconds
-    return tuple(n / t for n, t in (totals[id(spec)], totals[id(plain)]))
+            totals[turn][0] += tokens
+            totals[turn][1] += seconds
+    return [n / t for n, t in totals]
 
 
 def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens: int) -> list[dict]:
@@ -98,7 +98,7 @@ def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens:
                 cfg.update(rejection_sample_method="synthetic",
                            synthetic_acceptance_rates=[alpha ** (i + 1) for i in range(cfg["num_speculative_tokens"])])
             state = SpecState(core, SpeculativeConfig.model_validate(cfg))
-            tps, plain_tps = run_against_plain(core, state, plain, params, PROMPTS)
+            tps, plain_tps = take_turns(core, [state, plain], params, PROMPTS)
             stats = state.stats
             row = {"pair": name, "alpha_config": alpha, "k": k, "tok_s": tps, "plain_tok_s": plain_tps,
                    "speedup": tps / plain_tps, "acceptance_rate": stats.acceptance_rate,

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
                 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
 
 
 def request_body(request: pb.GenerateRequest) -> tuple[str, dict]:
@@ -54,7 +55,30 @@ def request_body(request: pb.GenerateRequest) -> tuple[str, dict]:
         body["stop_token_ids"] = list(request.stop_token_ids)
     if request.ignore_eos:
         body["ignore_eos"] = True
+    if request.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in request.logit_bias.items()}
+    if request.HasField("logprobs"):
+        body.update({"logprobs": True, "top_logprobs": request.logprobs} if kind == "chat"
+                    else {"logprobs": request.logprobs})
+    if request.HasField("prompt_logprobs"):
+        if kind == "chat":
+            raise RequestError(400, "prompt_logprobs: only for prompts, not messages")
+        body["prompt_logprobs"] = request.prompt_logprobs
     return kind, body
+
+
+def token_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> list[pb.TokenLogprob]:
+    """The engine's (logprob, rank, top) entries as messages; None (the prompt's first token) has
+    no logprob."""
+    out = []
+    for token, entry in zip(token_ids, entries or []):
+        msg = pb.TokenLogprob(token_id=token, token=tokenizer.decode([token]))
+        if entry is not None:
+            logprob, rank, top = entry
+            msg.logprob, msg.rank = logprob, rank
+            msg.top_logprobs.extend(pb.TopLogprob(token_id=t, token=tokenizer.decode([t]), logprob=v) for t, v in top)
+        out.append(msg)
+    return out
 
 
 class TandemServicer(pb_grpc.TandemServiceServicer):
@@ -73,9 +97,12 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
             await _abort(context, e, rid)
         except Exception as e:  # noqa: BLE001 - grpc.aio would put the exception's text in the status
             await _internal(context, e, rid)
+        tok = self.engine.tokenizer
         return pb.GenerateResponse(text=done.text, token_ids=done.token_ids, finish_reason=done.last.finish_reason,
                                    usage=_usage(prepared.prompt_tokens, len(done.token_ids)),
-                                   spec_decode=_stats(done.last.stats))
+                                   spec_decode=_stats(done.last.stats),
+                                   logprobs=token_logprobs(tok, done.token_ids, done.logprobs),
+                                   prompt_logprobs=token_logprobs(tok, done.prompt_token_ids, done.prompt_logprobs))
 
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:  # noqa: N802
         rid = f"grpc-{uuid.uuid4().hex}"
@@ -95,8 +122,12 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
                 if delta.error:
                     await _abort(context, delta_error(delta), rid)
                 completion += len(delta.token_ids)
+                tok = self.engine.tokenizer
                 msg = pb.GenerateStreamResponse(text=delta.text, token_ids=delta.token_ids,
-                                                finish_reason=delta.finish_reason or "")
+                                                finish_reason=delta.finish_reason or "",
+                                                logprobs=token_logprobs(tok, delta.token_ids, delta.logprobs),
+                                                prompt_logprobs=token_logprobs(tok, delta.prompt_token_ids,
+                                                                               delta.prompt_logprobs))
                 if delta.finish_reason:
                     msg.usage.CopyFrom(_usage(prepared.prompt_tokens, completion))
                     msg.spec_decode.CopyFrom(_stats(delta.stats))

@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics.
+/v1/models, vLLM's /tokenize and /detokenize, /health, /metrics.
 
 The wire format only: parsing, validation and tokenization are deployments/requests.py's, run in a
 worker thread. Every error, routing and parsing included, is OpenAI's JSON shape with a request id;
@@ -24,11 +24,13 @@ from deployments.app import ServeArgs
 from deployments.metrics_export import metrics_text
 from deployments.requests import (PreparedRequest, RequestError, RequestLayer, collect, delta_error,
                                   key_matches)
-from engine.async_engine import AsyncEngine, RequestStream
+from deployments.logprobs import LogprobFormatter
+from engine.async_engine import AsyncEngine, RequestDelta, RequestStream
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-tandem-request-id"  # x-request-id is Serve's own
+PROTECTED = ("/v1", "/tokenize", "/detokenize")  # under the API key; health and metrics stay open
 
 
 class ErrorJSON(JSONResponse):
@@ -77,8 +79,8 @@ async def send_error(scope, receive, send, error: RequestError) -> None:
 
 class EdgeMiddleware:
     """Plain ASGI (not @app.middleware, which re-wraps every streamed chunk): a request-size limit
-    answered with 413 before the body is read, and the API key under /v1 (health and metrics stay
-    open for probes)."""
+    answered with 413 before the body is read, and the API key on PROTECTED paths (health and
+    metrics stay open for probes)."""
 
     def __init__(self, app, max_request_bytes: int, api_key: SecretStr | None):
         self.app, self.max_bytes, self.api_key = app, max_request_bytes, api_key
@@ -90,7 +92,7 @@ class EdgeMiddleware:
         path, root = scope["path"], scope.get("root_path", "")
         if path.startswith(root):  # under a Serve route_prefix, the path includes it
             path = path[len(root):]
-        if self.api_key is not None and path.startswith("/v1") and \
+        if self.api_key is not None and path.startswith(PROTECTED) and \
                 not key_matches(headers.get(b"authorization"), self.api_key):
             return await send_error(scope, receive, send, RequestError(
                 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "authentication_error",
@@ -184,6 +186,23 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
             (log.info if e.status < 500 else log.warning)("request %s: %d %s", rid, e.status, e.message)
             return error_response(e, rid)
 
+    async def handle_plain(request: Request, prefix: str, run: Callable) -> Response:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            return JSONResponse(await run(await read_body(request, args.max_request_bytes)),
+                                headers={REQUEST_ID_HEADER: rid})
+        except RequestError as e:
+            log.info("request %s: %d %s", rid, e.status, e.message)
+            return error_response(e, rid)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await handle_plain(request, "tok", layer.tokenize_async)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await handle_plain(request, "detok", layer.detokenize_async)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, "completion", "cmpl", respond_completion)
@@ -192,19 +211,42 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
     async def chat_completions(request: Request):
         return await handle(request, "chat", "chatcmpl", respond_chat)
 
+    fmt = LogprobFormatter(engine.tokenizer)
+
     async def respond_completion(prepared: PreparedRequest, streams: list[RequestStream]) -> Response:
         rid, now = prepared.request_id, int(time.time())
+        # streamed text offsets of each choice's tokens (after its echo)
+        offsets = [len(c.echo) for c in prepared.choices]
 
-        def chunk(index: int, text: str, finish: str | None) -> dict:
+        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
             return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+        def logprobs_of(k: int, delta: RequestDelta | None, echo: bool = False) -> dict | None:
+            c = prepared.choices[k]
+            if echo:  # the echo chunk: the prompt's log-probabilities (completions' echo + logprobs)
+                if c.params.prompt_logprobs is None or delta is None:
+                    return None
+                obj = fmt.completion([], [], 0, c.prompt.ids, delta.prompt_logprobs)
+            else:
+                if c.params.logprobs is None or not delta.token_ids:
+                    return None
+                obj = fmt.completion(delta.token_ids, delta.logprobs or [], offsets[k])
+            offsets[k] = (0 if echo else offsets[k]) + sum(len(t) for t in obj["tokens"])
+            return obj
 
         if prepared.stream:
-            return await sse(prepared, streams, chunk, "text_completion", now)
+            return await sse(prepared, streams, chunk, "text_completion", now, logprobs_of)
         results = await gather_all(streams)
-        choices = [{"index": c.index, "text": c.echo + r.text, "logprobs": None,
-                    "finish_reason": openai_finish(r.last.finish_reason)}
-                   for c, r in zip(prepared.choices, results)]
+        choices = []
+        for c, r in zip(prepared.choices, results):
+            logprobs = None
+            if c.params.logprobs is not None:
+                echoed = c.params.prompt_logprobs is not None
+                logprobs = fmt.completion(r.token_ids, r.logprobs or [], 0 if echoed else len(c.echo),
+                                          c.prompt.ids if echoed else None, r.prompt_logprobs if echoed else None)
+            choices.append({"index": c.index, "text": c.echo + r.text, "logprobs": logprobs,
+                            "finish_reason": openai_finish(r.last.finish_reason)})
         return JSONResponse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
                              "choices": choices, "usage": usage(prepared, results)},
                             headers={REQUEST_ID_HEADER: rid})
@@ -212,15 +254,21 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
     async def respond_chat(prepared: PreparedRequest, streams: list[RequestStream]) -> Response:
         rid, now = prepared.request_id, int(time.time())
 
-        def chunk(index: int, text: str, finish: str | None) -> dict:
+        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
             delta = {"content": text} if text or finish is None else {}
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+        def logprobs_of(k: int, delta: RequestDelta | None, echo: bool = False) -> dict | None:
+            if echo or prepared.choices[k].params.logprobs is None or not delta.token_ids:
+                return None
+            return fmt.chat(delta.token_ids, delta.logprobs or [])
 
         if prepared.stream:
-            return await sse(prepared, streams, chunk, "chat.completion.chunk", now, role_chunk=True)
+            return await sse(prepared, streams, chunk, "chat.completion.chunk", now, logprobs_of, role_chunk=True)
         results = await gather_all(streams)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": fmt.chat(r.token_ids, r.logprobs or []) if c.params.logprobs is not None else None,
                     "finish_reason": openai_finish(r.last.finish_reason)}
                    for c, r in zip(prepared.choices, results)]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now, "model": model_name,
@@ -228,7 +276,7 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
                             headers={REQUEST_ID_HEADER: rid})
 
     async def sse(prepared: PreparedRequest, streams: list[RequestStream], chunk: Callable, obj: str, now: int,
-                  role_chunk: bool = False) -> Response:
+                  logprobs_of: Callable, role_chunk: bool = False) -> Response:
         # Wait for each choice's first delta before answering 200, so a request that fails at once
         # still gets a status code; later failures become an error event.
         try:
@@ -242,11 +290,11 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
                 for s in streams:
                     s.abort()
                 raise delta_error(first)
-        events = merge_streams(prepared, streams, firsts, chunk, obj, now, role_chunk)
+        events = merge_streams(prepared, streams, firsts, chunk, obj, now, logprobs_of, role_chunk)
         return AbortingStream(encode_sse(events), streams, media_type="text/event-stream",
                               headers={REQUEST_ID_HEADER: prepared.request_id})
 
-    async def merge_streams(prepared, streams, firsts, chunk, obj, now, role_chunk) -> AsyncIterator[dict]:
+    async def merge_streams(prepared, streams, firsts, chunk, obj, now, logprobs_of, role_chunk) -> AsyncIterator[dict]:
         """Interleave the deltas of the call's choices as SSE chunks, in arrival order."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -267,9 +315,9 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
                     first = chunk(c.index, "", None)
                     first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield first
-            for c in prepared.choices:
+            for k, c in enumerate(prepared.choices):
                 if c.echo:
-                    yield chunk(c.index, c.echo, None)
+                    yield chunk(c.index, c.echo, None, logprobs_of(k, firsts[k], echo=True))
             while open_streams:
                 k, delta = await queue.get()
                 if delta is None:
@@ -281,8 +329,9 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
                                 prepared.choices[k].index, delta.error)
                     yield delta_error(delta).body(prepared.request_id)
                     continue
-                if delta.text or delta.finish_reason:
-                    yield chunk(prepared.choices[k].index, delta.text, openai_finish(delta.finish_reason))
+                if delta.text or delta.token_ids or delta.finish_reason:
+                    yield chunk(prepared.choices[k].index, delta.text, openai_finish(delta.finish_reason),
+                                logprobs_of(k, delta))
             if prepared.include_usage:
                 yield {"id": prepared.request_id, "object": obj, "created": now, "model": model_name,
                        "choices": [], "usage": usage_counts(prepared.prompt_tokens, completion_tokens)}

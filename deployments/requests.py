@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from deployments.chat import chat_prompt_ids, end_of_turn_ids
+from engine.chat import chat_prompt_ids, end_of_turn_ids
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestDelta, RequestStream
-from engine.config import SamplingParams
+from engine.config import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.core import TokenizedPrompt
 from engine.errors import INTERNAL_ERROR
 
@@ -62,12 +62,6 @@ def bad_request(message: str, param: str | None = None) -> RequestError:
 # feature gets a 400 naming it instead of a silently different answer.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "min_p": (None, 0, 0.0),
     "suffix": (None, ""),
     "response_format": (None, {"type": "text"}),
@@ -104,14 +98,12 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None  # the caller's end-user id: metadata, changes nothing
+    presence_penalty: float | None = None  # None: 0
+    frequency_penalty: float | None = None  # None: 0
+    repetition_penalty: float | None = None  # vLLM's extension; None: 1
+    logit_bias: dict[str, float] | None = None  # token id (as a string: a JSON key) -> bias
     # not implemented: see NEUTRAL_VALUES
     best_of: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     min_p: Any = None
     response_format: Any = None
     tools: Any = None
@@ -132,20 +124,40 @@ class SamplingFields(BaseModel):
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
 
-    def sampling_params(self, max_tokens: int | None, extra_stop_ids: list[int], index: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, extra_stop_ids: list[int], index: int,
+                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         seed = None if self.seed is None else self.seed + index  # n > 1: distinct, reproducible samples
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, seed=seed, ignore_eos=self.ignore_eos,
-                stop_token_ids=list(self.stop_token_ids or []) + list(extra_stop_ids))
+                stop_token_ids=list(self.stop_token_ids or []) + list(extra_stop_ids),
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self._logit_bias(),
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValidationError as e:
             raise validation_error(e) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise bad_request("logit_bias: keys must be token ids (non-negative integers, as strings)",
+                                  param="logit_bias")
+            out[int(key)] = bias
+        return out
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top n per token (+ the prompt's with echo)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the prompt's, top n
     suffix: Any = None
     max_tokens: int | None = 16  # OpenAI's default for completions
 
@@ -175,6 +187,27 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def validation_error(e: ValidationError) -> RequestError:
@@ -281,6 +314,50 @@ class RequestLayer:
             choices = self._chat_choices(req)
         return PreparedRequest(request_id, kind, choices, req.stream, include_usage)
 
+    async def tokenize_async(self, body: bytes) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenize, body)
+
+    async def detokenize_async(self, body: bytes) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.detokenize, body)
+
+    def tokenize(self, body: bytes | dict) -> dict:
+        req = self._parse(TokenizeRequest, body)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt, messages")
+        if req.prompt is not None:
+            if not _valid_unicode(req.prompt):
+                raise bad_request("prompt must be valid Unicode (no lone surrogates)", param="prompt")
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            if not all(_valid_unicode(m["content"]) for m in messages):
+                raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
+            try:
+                ids = chat_prompt_ids(self.tokenizer, messages, req.add_generation_prompt)
+            except ValueError as e:
+                log.info("chat template failed: %s", e)
+                raise bad_request("messages could not be formatted with the model's chat template",
+                                  param="messages") from None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    def detokenize(self, body: bytes | dict) -> dict:
+        req = self._parse(DetokenizeRequest, body)
+        vocab = self.engine.core.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    def _parse(self, model: type[BaseModel], body: bytes | dict):
+        data = parse_json(body) if isinstance(body, (bytes, bytearray)) else body
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if req.model is not None:
+            self.check_model(req.model)
+        return req
+
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.model_root):
             raise RequestError(404, f"The model '{printable(name)}' does not exist; this server serves "
@@ -301,7 +378,10 @@ class RequestLayer:
         choices = []
         for i, prompt in enumerate(prompts):
             tokenized = self._tokenize(prompt)
-            params = [req.sampling_params(req.max_tokens, [], j) for j in range(req.n)]
+            prompt_logprobs = req.prompt_logprobs
+            if prompt_logprobs is None and req.echo and req.logprobs is not None:
+                prompt_logprobs = req.logprobs
+            params = [req.sampling_params(req.max_tokens, [], j, req.logprobs, prompt_logprobs) for j in range(req.n)]
             for p in params:
                 self._check(tokenized, p)
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(tokenized.ids)) if req.echo else ""
@@ -324,9 +404,12 @@ class RequestLayer:
                               param="messages") from None
         prompt = TokenizedPrompt(None, ids)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = []
         for j in range(req.n):
-            params = req.sampling_params(max_tokens, self.turn_end_ids, j)
+            params = req.sampling_params(max_tokens, self.turn_end_ids, j, logprobs)
             self._check(prompt, params)
             choices.append(Choice(j, prompt, params))
         return choices
@@ -396,22 +479,27 @@ class Completion:
     text: str
     last: RequestDelta
     prompt_token_ids: list[int]
+    logprobs: list | None = None  # per token, as RequestDelta's
+    prompt_logprobs: list | None = None
 
 
 async def collect(stream: RequestStream) -> Completion:
     """Read a stream to its end (RequestError if it failed); aborts it if this task is cancelled."""
-    tokens, text, prompt_ids, last = [], "", [], None
+    done = Completion([], "", None, [])
     try:
         async for delta in stream:
             if delta.error:
                 raise delta_error(delta)
-            tokens += delta.token_ids
-            text += delta.text
-            prompt_ids = prompt_ids or delta.prompt_token_ids
-            last = delta
+            done.token_ids += delta.token_ids
+            done.text += delta.text
+            done.prompt_token_ids = done.prompt_token_ids or delta.prompt_token_ids
+            if delta.logprobs is not None:
+                done.logprobs = (done.logprobs or []) + delta.logprobs
+            done.prompt_logprobs = done.prompt_logprobs or delta.prompt_logprobs
+            done.last = delta
     finally:
         stream.abort()
-    return Completion(tokens, text, last, prompt_ids)
+    return done
 
 
 DEFAULT_API_KEY_ENV = "TANDEM_API_KEY"

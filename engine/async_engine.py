@@ -37,6 +37,9 @@ class RequestDelta:
     stats: SpecDecodeStats | None = None  # on the last delta
     error: str | None = None  # safe to show a client
     error_kind: str | None = None  # engine.errors.error_kind: invalid_request | internal | unavailable
+    # with SamplingParams.logprobs: one (logprob, rank, [(token, logprob)] top) per token in token_ids
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None  # with prompt_logprobs, on the first delta: None, then one per token
 
 
 class QueueFullError(RuntimeError):
@@ -191,8 +194,11 @@ class AsyncEngine:
         delta = RequestDelta(seq.request_id, seq.output_ids[sent["tokens"]:], text[sent["text"]:visible],
                              seq.finish_reason, seq.stop_reason, num_output_tokens=len(seq.output_ids),
                              error=seq.error, error_kind=error_kind(seq.error) if seq.error else None)
+        if seq.params.logprobs is not None:
+            delta.logprobs = seq.logprobs[sent["tokens"]:]
         if sent["tokens"] == 0:
             delta.prompt_token_ids = list(seq.prompt_ids)
+            delta.prompt_logprobs = seq.prompt_logprobs
         sent["tokens"], sent["text"] = len(seq.output_ids), max(sent["text"], visible)
         if seq.finished:
             delta.stats = seq.stats

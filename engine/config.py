@@ -16,6 +16,8 @@ INTERNAL_SPEC_FIELDS = (
     "draft_parallel_config", "draft_load_config",
 )
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_LOGIT_BIAS = 300  # OpenAI's
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing logits by it overflows to NaN).
 SAMPLING_EPS = 1e-5
 
@@ -217,6 +219,16 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    # applied to the target's logits before temperature, in verification as in plain decoding
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # tokens in the prompt or output: logit / this if > 0, else * this
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # log-probabilities returned: the sampled token's and the `logprobs` most likely at each step
+    # (the distribution sampled from: after penalties, temperature, top-k/top-p; greedy at T = 1),
+    # and with prompt_logprobs those of every prompt token after the first (the raw model's)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -248,7 +260,29 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):  # the upper bound is the engine's vocabulary
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {[t for t in self.stop_token_ids if t < 0][:5]}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+            bad = [t for t, b in self.logit_bias.items() if t < 0 or not -100.0 <= b <= 100.0]
+            if bad:
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100] (token {bad[0]})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the target's logits change before sampling (penalties or a logit bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

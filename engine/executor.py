@@ -63,10 +63,15 @@ class GroupRank:
     def remove_request(self, request_id: str) -> None:
         self.worker.remove_request(request_id)
 
-    def prefill(self, slot: int, tokens: list[int], after=None) -> None:
+    def prefill(self, slot: int, tokens: list[int], after=None, scored: tuple[int, int] | None = None):
         """`after`: an ObjectRef this call waits for (Ray resolves it first), to order two groups'
-        prefills without a round trip through the coordinator."""
-        self.worker.prefill(slot, tokens)
+        prefills without a round trip through the coordinator. `scored` = (the token after `tokens`,
+        top n): also return each next token's log-probability and the top n at each position."""
+        if scored is None:
+            self.worker.prefill(slot, tokens)
+            return None
+        out = self.worker.prefill_scored(slot, tokens, tokens[1:] + [scored[0]], scored[1])
+        return out if self.rank == 0 else None
 
     def propose(self, batch: DraftBatch) -> DraftOutput | None:
         start = time.perf_counter()
@@ -106,12 +111,13 @@ class LocalExecutor:
         for r in self._ranks():
             r.remove_request(request_id)
 
-    def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None) -> None:
+    def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None,
+                scored: tuple[int, int] | None = None):
         try:
-            if target_tokens:
-                self.target.prefill(slot, target_tokens)
+            out = self.target.prefill(slot, target_tokens, None, scored) if target_tokens else None
             if self.draft is not None and draft_tokens:
                 self.draft.prefill(slot, draft_tokens)
+            return out
         except Exception as e:
             raise StepError(f"prefill raised {type(e).__name__}") from e
 
@@ -241,14 +247,15 @@ class RayExecutor:
     def remove_request(self, request_id: str) -> None:
         self._get([r.remove_request.remote(request_id) for r in self._all()])
 
-    def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None) -> None:
+    def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None,
+                scored: tuple[int, int] | None = None):
         refs = [r.prefill.remote(slot, draft_tokens) for r in self.draft] if draft_tokens else []
         # On CPU both groups use every core: run at once, their threads preempt each other (the
         # first step took 100-430 ms instead of ~75 ms). So the target waits for the draft there.
         after = refs[0] if refs and self.config.resolved_device() == "cpu" else None
-        if target_tokens:
-            refs += [r.prefill.remote(slot, target_tokens, after) for r in self.target]
-        self._get(refs)
+        target_refs = [r.prefill.remote(slot, target_tokens, after, scored) for r in self.target] if target_tokens else []
+        results = self._get(target_refs + refs)
+        return results[0] if target_refs else None
 
     def step(self, verify: VerifyBatch, draft: DraftBatch | None) -> VerifyOutput:
         draft_refs = [r.propose.remote(draft) for r in self.draft] if draft is not None else []

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from engine.chat import chat_prompt_ids, end_of_turn_ids
 from engine.config import EngineConfig, SamplingParams
 from engine.core import EngineCore
 from engine.metrics import SpecDecodeStats
@@ -14,12 +15,27 @@ from engine.scheduler import Sequence
 log = logging.getLogger(__name__)
 
 @dataclass
+class Logprob:
+    """One token's log-probability at a position (vLLM's shape): rank 1 is the most likely."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position: {token id: Logprob} with the top `logprobs` tokens and the one chosen
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None  # with SamplingParams(logprobs=N)
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -30,11 +46,36 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     spec_decode_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # with SamplingParams(prompt_logprobs=N)
 
     @classmethod
-    def from_sequence(cls, seq: Sequence) -> "RequestOutput":
-        out = CompletionOutput(0, seq.text, list(seq.output_ids), seq.finish_reason, seq.stop_reason)
-        return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), [out], seq.finished, seq.stats)
+    def from_sequences(cls, request_id: str, seqs: list[Sequence], tokenizer) -> "RequestOutput":
+        """One request's output; n > 1 ran as n sequences."""
+        outputs, stats = [], SpecDecodeStats()
+        for i, seq in enumerate(seqs):
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = [position_logprobs(token, entry, tokenizer) for token, entry in zip(seq.output_ids, seq.logprobs)]
+            cumulative = sum(e[0] for e in seq.logprobs) if logprobs is not None else None
+            outputs.append(CompletionOutput(i, seq.text, list(seq.output_ids), seq.finish_reason, seq.stop_reason,
+                                            logprobs, cumulative))
+            stats.merge(seq.stats)
+        first = seqs[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None if entry is None else position_logprobs(token, entry, tokenizer)
+                               for token, entry in zip(first.prompt_ids, first.prompt_logprobs)]
+        return cls(request_id, first.prompt, list(first.prompt_ids), outputs, all(s.finished for s in seqs), stats,
+                   prompt_logprobs)
+
+
+def position_logprobs(token: int, entry: tuple, tokenizer) -> PositionLogprobs:
+    """The engine's (logprob, rank, [(token, logprob)] top) as {token: Logprob}, the chosen one included."""
+    logprob, rank, top = entry
+    out = {t: Logprob(v, r + 1, tokenizer.decode([t])) for r, (t, v) in enumerate(top)}
+    if token not in out:
+        out[token] = Logprob(logprob, rank, tokenizer.decode([token]))
+    return out
 
 
 class LLM:
@@ -70,11 +111,14 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # validate everything before queueing anything
         parsed = [self.core.prompt_ids(p) for p in prompts]
-        for p in params:
-            if p.n != 1:
-                raise ValueError("n > 1 is not supported by LLM.generate; repeat the prompt instead")
-        seqs = [self.scheduler.add(f"offline-{next(self._ids)}", text, ids, p)
-                for (text, ids), p in zip(parsed, params)]
+        for (_, ids), p in zip(parsed, params):
+            self.scheduler.check_request(ids, p)
+        requests = []  # (request id, its n sequences)
+        for (text, ids), p in zip(parsed, params):
+            request_id = f"offline-{next(self._ids)}"
+            requests.append((request_id, [self.scheduler.add(f"{request_id}-{i}", text, ids, sample)
+                                          for i, sample in enumerate(samples(p))]))
+        seqs = [s for _, group in requests for s in group]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -92,4 +136,28 @@ class LLM:
         errors = {s.error for s in seqs if s.error}
         if errors:
             raise RuntimeError(f"generation failed: {'; '.join(sorted(errors))}")
-        return [RequestOutput.from_sequence(s) for s in seqs]
+        return [RequestOutput.from_sequences(request_id, group, self.tokenizer) for request_id, group in requests]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation ([{"role": ..., "content": ...}, ...]) or a list of them, through the
+        model's chat template (generation prompt added); a reply ends at the model's end-of-turn
+        token, as on the server."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": chat_prompt_ids(self.tokenizer, [dict(m) for m in c])} for c in conversations]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        turn_end = end_of_turn_ids(self.tokenizer)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = [p.model_copy(update={"stop_token_ids": list(p.stop_token_ids) + turn_end}) for p in params]
+        return self.generate(prompts, params, use_tqdm)
+
+
+def samples(params: SamplingParams) -> list[SamplingParams]:
+    """n > 1 as n requests of one sample each; a seeded request's samples get seeds seed, seed + 1, ...
+    (distinct and reproducible, as on the server)."""
+    if params.n == 1:
+        return [params]
+    return [params.model_copy(update={"n": 1, "seed": None if params.seed is None else params.seed + i})
+            for i in range(params.n)]

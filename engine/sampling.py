@@ -64,6 +64,45 @@ def held_back_pairs(batch_sampling, first_positions: list[int], counts: list[int
     return pairs
 
 
+def apply_penalties(logits: Tensor, rows, firsts: list[int], counts: list[int], drafts: list[list[int]]) -> None:
+    """In place, vLLM's order: logit_bias, then repetition, frequency and presence penalties, for each
+    penalized row's positions firsts[b] + j, j < counts[b]. Position j follows drafts[b][:j], so the
+    tokens it counts are the row's output so far and those drafts: verification penalizes exactly
+    as plain decoding would have after accepting them."""
+    vocab, dev = logits.shape[-1], logits.device
+    for b, row in enumerate(rows):
+        p = row.params
+        if not p.penalized:
+            continue
+        n = counts[b]
+        x = logits[firsts[b]: firsts[b] + n]  # a view: the updates below land in `logits`
+        if p.logit_bias:
+            tokens = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+            x[:, tokens] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=dev)
+        if not (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+            continue
+        seen = torch.tensor(row.output_ids, dtype=torch.long, device=dev)
+        output = torch.bincount(seen, minlength=vocab).to(x.dtype).repeat(n, 1)  # [n, V]
+        for j, token in enumerate(drafts[b][: n - 1]):
+            output[j + 1:, token] += 1.0
+        if p.repetition_penalty != 1.0:
+            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            in_prompt[torch.tensor(row.prompt_ids, dtype=torch.long, device=dev)] = True
+            hit = (output > 0) | in_prompt
+            x.copy_(torch.where(hit, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x))
+        if p.frequency_penalty:
+            x.sub_(p.frequency_penalty * output)
+        if p.presence_penalty:
+            x.sub_(p.presence_penalty * (output > 0).to(x.dtype))
+
+
+def processed_logprobs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """[N, V] log-probabilities of the distribution each row samples from (after temperature, top-k,
+    top-p: -inf outside them); a greedy row's are the model's own (temperature 1), as vLLM reports."""
+    as_sampled = [SamplingParams(temperature=1.0) if p.greedy else p for p in params]
+    return batch_probs(logits, SamplingTensors.build(as_sampled, logits.device)).log_()
+
+
 def probs_from_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> Tensor:
     """logits [N, V] -> probabilities [N, V], every row with the same parameters."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)

@@ -10,7 +10,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.adaptive import AcceptanceEstimate, CostModel, adaptive_k
 from engine.config import EngineConfig, SamplingParams
@@ -40,6 +40,10 @@ class Sequence:
     stop_reason: int | str | None = None
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    # with params.logprobs: per output token, (log-probability, rank, [(token, log-probability)] top)
+    logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
+    # with params.prompt_logprobs: per prompt token the same, None for the first
+    prompt_logprobs: list | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -88,6 +92,9 @@ class Scheduler:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_request(prompt_ids, params)
@@ -172,7 +179,8 @@ class Scheduler:
                 starts=[rows[b].draft_cached for b in drafting],
                 pending=[rows[b].draft_ids[rows[b].draft_cached:] for b in drafting],
                 num_drafts=[ks[b] for b in drafting],
-                sampling=[sampling[b] for b in drafting],
+                # the draft proposes unpenalized (any q keeps verification exact): no histories
+                sampling=[replace(sampling[b], prompt_ids=(), output_ids=()) for b in drafting],
             )
         result = self.executor.step(verify, draft)
         for b, seq in enumerate(rows):
@@ -192,7 +200,7 @@ class Scheduler:
                 # 1..k-1; with parallel drafting it saw mask tokens in their place, so only draft_ids
                 seq.draft_cached = len(seq.draft_ids) + (0 if self.spec.parallel_drafting else min(accepted, k - 1))
             try:
-                self._append(seq, new)
+                self._append(seq, new, result.logprobs.get(b))
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing; fails this request only
                 log.error("request %s failed after the step", seq.request_id, exc_info=e)
                 seq.finish_reason, seq.error = "error", INTERNAL_ERROR
@@ -255,7 +263,12 @@ class Scheduler:
                 if len(seq.draft_ids) >= self.max_model_len:  # too long for the draft's cache: no drafting
                     draft_prefix = []
                     seq.draft_cached = -1
-                self.executor.prefill(seq.slot, prefix, draft_prefix if self.spec else None)
+                scored = None
+                if seq.params.prompt_logprobs is not None:  # the prompt's own log-probabilities, from the target
+                    scored = (seq.prompt_ids[-1], seq.params.prompt_logprobs)
+                got = self.executor.prefill(seq.slot, prefix, draft_prefix if self.spec else None, scored)
+                if scored is not None:
+                    seq.prompt_logprobs = [None] + (got or [])
             except (StepError, ValueError) as e:
                 log.error("request %s failed in prefill", seq.request_id, exc_info=e)
                 self._fail(seq, INTERNAL_ERROR)
@@ -293,17 +306,24 @@ class Scheduler:
 
     def _row_sampling(self, seq: Sequence) -> RowSampling:
         p = seq.params
+        history = {}
+        if p.penalized:
+            history["output_ids"] = tuple(seq.output_ids)
+            if p.repetition_penalty != 1.0:
+                history["prompt_ids"] = tuple(seq.prompt_ids)
         hold = p.min_tokens - len(seq.output_ids)
         if hold <= 0:
-            return RowSampling(seq.request_id, p)
+            return RowSampling(seq.request_id, p, **history)
         held = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        return RowSampling(seq.request_id, p, tuple(sorted(held)), hold)
+        return RowSampling(seq.request_id, p, tuple(sorted(held)), hold, **history)
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
         p = seq.params
         start = len(seq.output_ids)
-        for token in tokens:
+        for i, token in enumerate(tokens):
             seq.output_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             self.counters.num_generation_tokens += 1
             if not p.ignore_eos and token in self.eos_ids:
                 seq.finish_reason = "stop"

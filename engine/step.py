@@ -21,6 +21,9 @@ class RowSampling:
     # Token ids held back (EOS, stop_token_ids) at step positions j < hold_back_until (min_tokens).
     held_back_ids: tuple[int, ...] = ()
     hold_back_until: int = 0
+    # With penalties: the tokens they count (the prompt's only for repetition_penalty), else empty.
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -69,5 +72,8 @@ class VerifyOutput:
     tokens: list[list[int]]  # [B][1..k_b+1] tokens to append
     num_accepted: list[int] = field(default_factory=list)  # [B] accepted drafts
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it failed; its tokens are []
+    # row -> one entry per emitted token: (its log-probability, its rank (1 = most likely),
+    # [(token, log-probability)] of the request's `logprobs` most likely), for rows that asked
+    logprobs: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
     elapsed_s: float = 0.0  # the target group's compute time (forward + rejection sampling)
     draft_elapsed_s: float = 0.0  # the draft group's, passed through (adaptive K measures both)

@@ -7,7 +7,8 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.rejection import block_sample, rejection_sample, synthetic_sample
-from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, held_back_pairs, mask_tokens, step_probs
+from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, apply_penalties, held_back_pairs, mask_tokens, \
+    processed_logprobs, step_probs
 from engine.step import DraftOutput, VerifyBatch, VerifyOutput
 from engine.worker import ModelWorker
 
@@ -40,6 +41,13 @@ class Verifier:
             flat = flat[torch.tensor(index, dtype=torch.long, device=dev)]
         flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]), inplace=True)
         params = [row.params for row in batch.sampling]
+        apply_penalties(flat, batch.sampling, firsts, [k + 1 for k in counts], row_drafts)
+        # rows that report log-probabilities: their positions, kept before sampling overwrites flat
+        lp_rows = [b for b in range(B) if params[b].logprobs is not None]
+        lp_logits = None
+        if lp_rows:
+            lp_index = [firsts[b] + j for b in lp_rows for j in range(counts[b] + 1)]
+            lp_logits = flat[torch.tensor(lp_index, dtype=torch.long, device=dev)]
         # overwrites flat (ours: the forward's output, or a copy of its rows)
         p, bad = step_probs(flat, SamplingTensors.build(params, dev, repeats=[k + 1 for k in counts]))
         row_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(counts, device=dev) + 1)
@@ -68,4 +76,34 @@ class Verifier:
             else:
                 out.append(row[: n + 1])
                 num_accepted.append(n)
-        return VerifyOutput(tokens=out, num_accepted=num_accepted, errors=errors)
+        logprobs = self._logprobs(lp_rows, lp_logits, params, counts, out) if lp_rows else {}
+        return VerifyOutput(tokens=out, num_accepted=num_accepted, errors=errors, logprobs=logprobs)
+
+    def _logprobs(self, rows: list[int], logits: torch.Tensor, params, counts: list[int],
+                  tokens: list[list[int]]) -> dict[int, list]:
+        """Each emitted token's log-probability and the top ones at its position, for `rows`."""
+        dev = logits.device
+        lp = processed_logprobs(logits, [params[b] for b in rows for _ in range(counts[b] + 1)])
+        starts, at, chosen = [], [], []
+        offset = 0
+        for b in rows:
+            starts.append(len(at))
+            at.extend(range(offset, offset + len(tokens[b])))
+            chosen.extend(tokens[b])
+            offset += counts[b] + 1
+        if not at:
+            return {}
+        at_t = torch.tensor(at, dtype=torch.long, device=dev)
+        picked = lp[at_t, torch.tensor(chosen, dtype=torch.long, device=dev)]
+        rank = ((lp[at_t] > picked[:, None]).sum(-1) + 1).tolist()  # 1 = the most likely
+        width = max(params[b].logprobs for b in rows)
+        top = torch.topk(lp[at_t], width, dim=-1) if width else None
+        picked = picked.tolist()
+        top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+        result = {}
+        for b, start in zip(rows, starts):
+            n, want = len(tokens[b]), params[b].logprobs
+            result[b] = [(picked[start + i], rank[start + i],
+                          list(zip(top_ids[start + i][:want], top_values[start + i][:want])) if want else [])
+                         for i in range(n)]
+        return result

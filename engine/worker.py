@@ -93,6 +93,26 @@ class ModelWorker:
         logit_index = torch.tensor([[n - 1] for n in lengths]).to(dev) if last_only else None
         return self.model(ids, positions.to(dev), self.cache, torch.tensor(slots, device=dev), logit_index)
 
+    @torch.inference_mode()
+    def prefill_scored(self, slot: int, tokens: list[int], answers: list[int], top: int,
+                       chunk: int = 64) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """prefill(), also scoring answers[i] (the token after tokens[i]) by the model's own
+        log-softmax: (log-probability, rank, the `top` most likely as (token, log-probability)). Chunks are small: each one's logits
+        span the vocabulary."""
+        out = []
+        for start in range(0, len(tokens), chunk):
+            logits = self.forward([slot], [start], [tokens[start:start + chunk]])[0]
+            lp = torch.log_softmax(logits, dim=-1)
+            picked = lp.gather(1, torch.tensor(answers[start:start + chunk], device=lp.device)[:, None])
+            rank = ((lp > picked).sum(-1) + 1).tolist()
+            picked = picked[:, 0].tolist()
+            ids, values = ([], [])
+            if top:
+                best = torch.topk(lp, top, dim=-1)
+                ids, values = best.indices.tolist(), best.values.tolist()
+            out.extend((p, r, list(zip(ids[i], values[i])) if top else []) for i, (p, r) in enumerate(zip(picked, rank)))
+        return out
+
     def prefill(self, slot: int, tokens: list[int], chunk: int = 512) -> None:
         """Write tokens at positions 0.. of slot (no logits needed: the next step feeds the last token)."""
         for start in range(0, len(tokens), chunk):

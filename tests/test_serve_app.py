@@ -255,3 +255,81 @@ def test_metrics_match_per_request_stats(base, stubs):
     text = httpx.get(f"{base}/spec/metrics").text
     assert 'tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
     assert "tandem:engine_step_seconds_bucket" in text and 'finished_reason="length"' in text
+
+
+def test_completion_logprobs_streamed_and_echoed(base):
+    kw = dict(model=TARGET, prompt="the cat", max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    done = client(base, "spec").completions.create(**kw)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == done.choices[0].text and lp.text_offset[0] == 0
+    assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    off = client(base, "plain").completions.create(**kw).choices[0].logprobs
+    assert off.tokens == lp.tokens and max(abs(a - b) for a, b in zip(off.token_logprobs, lp.token_logprobs)) < 1e-4
+    chunks = list(client(base, "spec").completions.create(**kw, stream=True))
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert max(abs(a - b) for a, b in zip(streamed, lp.token_logprobs)) < 1e-6 and len(streamed) == 8
+    echo = client(base, "spec").completions.create(**{**kw, "max_tokens": 3}, echo=True)
+    elp, n_prompt = echo.choices[0].logprobs, echo.usage.prompt_tokens
+    assert echo.choices[0].text.startswith("the cat")
+    assert len(elp.tokens) == n_prompt + 3 and elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in elp.token_logprobs[1:])
+
+
+def test_chat_logprobs_penalties_and_bias(base):
+    messages = [{"role": "user", "content": "hi there"}]
+    r = client(base, "spec").chat.completions.create(model=TARGET, messages=messages, max_tokens=6, temperature=0,
+                                                    logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(x.top_logprobs) == 2 for x in content)
+    assert all(bytes(x.bytes).decode() == x.token for x in content)
+    # penalties apply with speculation on as off
+    kw = dict(model=TARGET, prompt="zebra zebra", max_tokens=30, temperature=0, presence_penalty=1.5,
+              frequency_penalty=0.5, extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    on, off = (client(base, app).completions.create(**kw).choices[0].text for app in ("spec", "plain"))
+    assert on == off
+    plain_text = client(base, "plain").completions.create(model=TARGET, prompt="zebra zebra", max_tokens=30, temperature=0,
+                                                         extra_body={"ignore_eos": True}).choices[0].text
+    assert on != plain_text
+    forced = client(base, "spec").completions.create(model=TARGET, prompt="the cat", max_tokens=5, temperature=0,
+                                                    logit_bias={"9": 100}, extra_body={"ignore_eos": True})
+    nine = httpx.post(f"{base}/spec/detokenize", json={"tokens": [9]}).json()["prompt"]
+    assert forced.choices[0].text == nine * 5
+
+
+def test_tokenize_and_detokenize(base):
+    tok = httpx.post(f"{base}/spec/tokenize", json={"model": TARGET, "prompt": "hello", "add_special_tokens": False})
+    body = tok.json()
+    assert tok.status_code == 200 and body["count"] == len(body["tokens"]) == 5 and body["max_model_len"] > 0
+    assert httpx.post(f"{base}/spec/detokenize", json={"model": TARGET, "tokens": body["tokens"]}).json() == {"prompt": "hello"}
+    chat = httpx.post(f"{base}/spec/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+    for path, payload, status in [("detokenize", {"tokens": [-1]}, 400), ("detokenize", {"tokens": [10**9]}, 400),
+                                  ("tokenize", {}, 400), ("tokenize", {"prompt": "x", "model": "gpt-4"}, 404),
+                                  ("tokenize", {"prompt": "x", "frobnicate": 1}, 400)]:
+        r = httpx.post(f"{base}/spec/{path}", json=payload)
+        assert r.status_code == status and r.json()["error"]["message"], (path, payload)
+    assert httpx.post(f"{base}/keyed/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(f"{base}/keyed/tokenize", json={"prompt": "x"},
+                      headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_grpc_logprobs_and_penalties(base, stubs):
+    from tandem_proto import tandem_pb2 as pb
+
+    req = pb.GenerateRequest(model=TARGET, prompt="the cat", max_tokens=6, temperature=0, ignore_eos=True,
+                             logprobs=2, prompt_logprobs=1)
+    unary = stubs["spec"].Generate(req)
+    assert [x.token_id for x in unary.logprobs] == list(unary.token_ids)
+    assert all(len(x.top_logprobs) == 2 and x.logprob <= 0 and x.rank == 1 for x in unary.logprobs)
+    assert len(unary.prompt_logprobs) == unary.usage.prompt_tokens
+    assert not unary.prompt_logprobs[0].HasField("logprob") and unary.prompt_logprobs[1].HasField("logprob")
+    http = client(base, "spec").completions.create(model=TARGET, prompt="the cat", max_tokens=6, temperature=0, logprobs=2,
+                                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert max(abs(a.logprob - b) for a, b in zip(unary.logprobs, http.token_logprobs)) < 1e-4
+    parts = list(stubs["spec"].GenerateStream(req))
+    assert [x.token_id for p in parts for x in p.logprobs] == list(unary.token_ids)
+    assert len(parts[0].prompt_logprobs) == unary.usage.prompt_tokens
+    forced = stubs["spec"].Generate(pb.GenerateRequest(model=TARGET, prompt="the cat", max_tokens=4, temperature=0,
+                                                       ignore_eos=True, logit_bias={9: 100.0}, presence_penalty=0.0))
+    assert list(forced.token_ids) == [9] * 4

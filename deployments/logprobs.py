@@ -1,0 +1,54 @@
+"""Log-probabilities in OpenAI's two wire shapes: completions' (tokens, token_logprobs,
+top_logprobs, text_offset) and chat's (content: [{token, logprob, bytes, top_logprobs}]).
+
+Entries come from the engine as (logprob, rank, [(token id, logprob)] top); a token's text is its
+own decoding. -inf (a token outside top-k/top-p) is not JSON: it is sent as -9999.0, as vLLM does.
+"""
+from __future__ import annotations
+
+import math
+
+FLOOR = -9999.0
+
+
+def finite(value: float) -> float:
+    return value if math.isfinite(value) else FLOOR
+
+
+class LogprobFormatter:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def completion(self, token_ids: list[int], entries: list, offset: int,
+                   prompt_ids: list[int] | None = None, prompt_entries: list | None = None) -> dict:
+        """Completions' object for these tokens, text offsets starting at `offset`; with prompt
+        entries (echo), the prompt's tokens come first (the first one's values are null)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        pairs = list(zip(prompt_ids or [], prompt_entries or [])) + list(zip(token_ids, entries))
+        for token, entry in pairs:
+            text = self.text(token)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            logprob, _, top = entry
+            out["token_logprobs"].append(finite(logprob))
+            out["top_logprobs"].append({self.text(t): finite(v) for t, v in top})
+        return out
+
+    def chat(self, token_ids: list[int], entries: list) -> dict:
+        content = []
+        for token, (logprob, _, top) in zip(token_ids, entries):
+            content.append({**self._token(token, logprob),
+                            "top_logprobs": [self._token(t, v) for t, v in top]})
+        return {"content": content}
+
+    def _token(self, token: int, logprob: float) -> dict:
+        text = self.text(token)
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
