@@ -201,11 +201,11 @@ def step_probs(logits: Tensor, st: SamplingTensors) -> tuple[Probs, Tensor]:
     finite mass) holds a uniform distribution so the step's tensor ops run; the caller fails it.
 
     On a CPU, when every row truncates (greedy, top-k, top-p), the distributions come back sparse:
-    one softmax pass for each row's normaliser, then its nucleus among a few candidate chunks (a
-    flatter nucleus goes dense). The dense masks and the cumulative sums over 262k tokens, and a
-    top-k over them (a partial sort: ~0.35 ms a row here), are what made sampling cost a fifth of a
-    Gemma forward at batch 8. An accelerator stays dense: it reads V numbers cheaply, and choosing
-    would cost a host read.
+    one softmax pass for each row's normaliser, then its nucleus among its candidate tokens (those
+    within CANDIDATE_FLOORS of its most likely; a flatter nucleus goes dense). The dense masks, the
+    cumulative sums and the partial sorts over 262k tokens a row are what made sampling cost a
+    fifth of a Gemma forward at batch 8. An accelerator stays dense: it reads V numbers cheaply,
+    and choosing would cost host reads.
     """
     best = logits.argmax(-1) if st.any_greedy else None
     if st.all_greedy:
@@ -235,7 +235,7 @@ def _sparse(e: Tensor, st: SamplingTensors, best: Tensor | None) -> tuple[Probs,
     mass = torch.zeros(rows, dtype=e.dtype, device=e.device).index_add_(0, row, value)
     enough = (st.temperature == 0.0) | ((st.top_k > 0) & (st.top_k <= count)) | \
         ((st.top_p < 1.0) & (st.top_k <= 0) & (mass >= st.top_p * total))
-    redo = (~enough).nonzero()[:, 0]
+    redo = (~enough).nonzero()[:, 0]  # host reads here and below: a CPU step has synced already
     if len(redo):
         low_row, low_col = _at_least(e[redo], CANDIDATE_FLOORS[1])
         low_row = redo[low_row]
@@ -245,7 +245,7 @@ def _sparse(e: Tensor, st: SamplingTensors, best: Tensor | None) -> tuple[Probs,
         row, col = row[order], col[order]
         value = e[row, col]
     count = torch.bincount(row, minlength=rows)
-    width = int(count.max()) if len(row) else 0  # the one host read (a CPU step has synced already)
+    width = int(count.max()) if len(row) else 0
     if not 0 < width <= MAX_CANDIDATES:
         return None
     column = torch.arange(len(row), device=e.device) - (torch.cumsum(count, 0) - count)[row]

@@ -67,3 +67,19 @@ def test_tensor_parallel_2_over_nccl_equals_tp1():
     tp1 = [o.outputs[0].token_ids for o in cuda_llm().generate(PROMPTS, greedy)]
     tp2 = LLM(model=TARGET, device="cuda", dtype="float32", tensor_parallel_size=2, seed=1)
     assert [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, greedy)] == tp1
+
+
+@pytest.mark.parametrize("spec", [{}, {"parallel_drafting": True, "model": "random:tiny-llama-pard:2"}])
+def test_penalties_and_logprobs_on_cuda(spec):
+    """Penalties, logit_bias and logprobs on the GPU path: greedy identity with speculation (sequential
+    and parallel drafting), logprobs equal to plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                            presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3,
+                            logit_bias={5: 2.0})
+    plain = cuda_llm().generate(PROMPTS, params)
+    fast = cuda_llm(spec).generate(PROMPTS, params)
+    for a, b in zip(plain, fast):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert set(x) == set(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        assert len(a.prompt_logprobs) == len(a.prompt_token_ids)
