@@ -35,6 +35,8 @@ class ServeArgs(BaseModel):
     # gRPC is served from the coordinator on this address (bind it where HTTP binds); None: off.
     grpc_host: str = "127.0.0.1"
     grpc_port: int | None = Field(default=9000, ge=0, le=65535)
+    # several coordinator replicas on one node (num_replicas > 1, autoscaling) share grpc_port
+    grpc_share_port: bool = False
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)  # larger bodies: 413
     max_queued_requests: int = Field(default=64, ge=0)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)  # accepted for vLLM parity

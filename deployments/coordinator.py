@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # replica's own loop: ~10 ms less TTFT over HTTP here (serve_bench.py). Serve merges these env
 # vars with an application's runtime_env.
 REPLICA_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+GRACE_S = 30.0  # how long in-flight requests may take to finish when a replica is shut down
 
 
 @serve.deployment(
@@ -36,6 +37,9 @@ REPLICA_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
     # admission is the engine's job (max_num_seqs, max_queued_requests -> 429), not Serve's queue
     max_ongoing_requests=1024,
     health_check_period_s=10,
+    # a replica being removed (scale-down, redeploy) first finishes what it is serving: Serve waits
+    # for its HTTP requests, then __del__ lets gRPC calls finish
+    graceful_shutdown_timeout_s=GRACE_S * 2,
 )
 @serve.ingress()
 class Coordinator:
@@ -46,7 +50,7 @@ class Coordinator:
         self.grpc = None
         if args.grpc_port is not None:
             self.grpc = GrpcServer(TandemServicer(self.engine, args, self.api_key), args.grpc_host, args.grpc_port,
-                                   args.max_request_bytes)
+                                   args.max_request_bytes, share_port=args.grpc_share_port)
         log.info("Tandem serving %s as %r (max_model_len %d); gRPC %s; API key %s", args.model, args.model_name,
                  self.engine.max_model_len, self.grpc.address if self.grpc else "off",
                  "required" if self.api_key else "not required")
@@ -65,13 +69,14 @@ class Coordinator:
         return create_app(self.engine, self.args, self.api_key)
 
     def check_health(self) -> None:
-        if not self.engine.alive():
-            raise RuntimeError("engine step loop is not running")
+        problem = self.engine.health()
+        if problem is not None:  # Serve replaces this replica (and with it, its model groups)
+            raise RuntimeError(problem)
 
     def __del__(self):
         try:
             if self.grpc is not None:
-                self.grpc.stop()
+                self.grpc.stop(GRACE_S)
             self.engine.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass

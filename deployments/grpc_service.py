@@ -149,8 +149,9 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
         return pb.ListModelsResponse(models=[card])
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:  # noqa: N802
-        if not self.engine.alive():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not running")
+        problem = self.engine.health()
+        if problem is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, problem)
         return pb.HealthResponse(status="ok")
 
     # -- shared parts -----------------------------------------------------------------------------
@@ -200,9 +201,10 @@ def _stats(stats: SpecDecodeStats | None) -> pb.SpecDecodeStats:
 class GrpcServer:
     """A grpc.aio server on its own thread and event loop, so gRPC and HTTP never wait on each other."""
 
-    def __init__(self, servicer: TandemServicer, host: str, port: int, max_message_bytes: int):
+    def __init__(self, servicer: TandemServicer, host: str, port: int, max_message_bytes: int,
+                 share_port: bool = False):
         self.address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-        self._servicer, self._max_bytes = servicer, max_message_bytes
+        self._servicer, self._max_bytes, self._share_port = servicer, max_message_bytes, share_port
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -217,8 +219,10 @@ class GrpcServer:
 
     async def _serve(self) -> None:
         try:
-            # so_reuseport off: a port already taken (another server) is an error, not a shared port
-            self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+            # so_reuseport off: a port already taken (another server) is an error, not a shared port;
+            # on (share_port) for several replicas on one node: the kernel spreads connections
+            # among them (Linux lets only the same user's processes share a port)
+            self._server = grpc.aio.server(options=[("grpc.so_reuseport", int(self._share_port)),
                                                     ("grpc.max_receive_message_length", self._max_bytes)])
             pb_grpc.add_TandemServiceServicer_to_server(self._servicer, self._server)
             self.port = self._server.add_insecure_port(self.address)
@@ -231,5 +235,6 @@ class GrpcServer:
         await self._server.wait_for_termination()
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """Refuse new calls; let those in flight finish for up to grace_s (a replica being drained)."""
         if self._server is not None and self._loop.is_running():
             asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(grace_s + 5)

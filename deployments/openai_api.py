@@ -146,8 +146,9 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
 
     @app.get("/health")
     async def health():
-        if not engine.alive():
-            return error_response(RequestError(503, "engine is not running", "unavailable_error"))
+        problem = engine.health()
+        if problem is not None:
+            return error_response(RequestError(503, problem, "unavailable_error"))
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -97,6 +97,15 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def health(self) -> str | None:
+        """None when this engine can serve, else why not (for health checks: a replica that can't
+        serve should be replaced)."""
+        if not self.alive():
+            return "the engine's step loop is not running"
+        if self.core.scheduler.executor_down:
+            return "the model groups failed and could not be rebuilt"
+        return None
+
     def num_running(self) -> int:
         return len(self.core.scheduler.running)
 

@@ -219,7 +219,9 @@ class RayExecutor:
         address = None
         if world > 1:  # rank 0's node picks the rendezvous port, so two engines never collide
             address = ray.get(ray.remote(_free_address).options(num_cpus=0, **placed(first_bundle)).remote())
-        threads = None if cuda else max(1, (os.cpu_count() or 1) // world)
+        # each rank's torch threads: the node's cores shared by the group's ranks; TANDEM_RANK_THREADS
+        # overrides (several replicas on one node: their groups would otherwise oversubscribe it)
+        threads = None if cuda else int(os.environ.get("TANDEM_RANK_THREADS") or max(1, (os.cpu_count() or 1) // world))
         actor = ray.remote(GroupRank)
         resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 1}
         return [actor.options(**resources, **placed(first_bundle + rank), runtime_env=ACTOR_ENV).remote(
