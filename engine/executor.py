@@ -197,8 +197,8 @@ class RayExecutor:
         tp = config.tensor_parallel_size
         dtp = config.draft_tensor_parallel_size if config.speculative_config else 0
         self.placement = placement_group([bundle] * bundles_needed(config), strategy="PACK")
-        try:
-            ray.get(self.placement.ready(), timeout=120)
+        try:  # TANDEM_PLACEMENT_TIMEOUT_S: how long to wait for the cluster to have room
+            ray.get(self.placement.ready(), timeout=float(os.environ.get("TANDEM_PLACEMENT_TIMEOUT_S") or 120))
         except ray.exceptions.GetTimeoutError:
             raise ExecutorError(f"could not reserve {tp + dtp} x {bundle} in the Ray cluster "
                                 f"(cluster resources: {ray.cluster_resources()})") from None

@@ -173,3 +173,37 @@ def test_killed_worker_fails_request_then_recovers(reference):
         assert tokens == reference[0] and last.finish_reason == "length"
     finally:
         engine.shutdown()
+
+
+def test_groups_that_cannot_be_rebuilt_make_the_engine_unhealthy(reference, monkeypatch):
+    """A dead worker whose group can't be placed again (the cluster has no room) leaves the engine
+    reporting why (the replica's health check fails, so Serve replaces it); when room returns, the
+    next request rebuilds the groups and succeeds."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    monkeypatch.setenv("TANDEM_PLACEMENT_TIMEOUT_S", "5")
+    engine = AsyncEngine(EngineConfig(model=TARGET, speculative_config=SPEC, max_num_seqs=2), use_ray=True)
+    blockers = []
+    try:
+        assert engine.health() is None
+        free = int(ray.available_resources().get("CPU", 0))
+        blockers.append(placement_group([{"CPU": 1}] * free))
+        ray.get(blockers[0].ready(), timeout=60)
+        # queued before the engine's next reservation: it takes the CPUs the failed groups release
+        blockers.append(placement_group([{"CPU": 1}] * 2))
+        ray.kill(engine.core.executor.target[0], no_restart=True)
+
+        async def fails():
+            return await asyncio.wait_for(collect(engine, PROMPTS[0], greedy(8)), timeout=120)
+        _, _, last = asyncio.run(fails())
+        assert last.finish_reason == "error"
+        assert engine.health() == "the model groups failed and could not be rebuilt"
+        for pg in blockers:
+            remove_placement_group(pg)
+        blockers.clear()
+        tokens, _, last = asyncio.run(fails())  # the next request rebuilds them
+        assert tokens == reference[0][:8] and engine.health() is None
+    finally:
+        for pg in blockers:
+            remove_placement_group(pg)
+        engine.shutdown()
