@@ -327,11 +327,13 @@ class RequestLayer:
         if req.prompt is not None:
             if not _valid_unicode(req.prompt):
                 raise bad_request("prompt must be valid Unicode (no lone surrogates)", param="prompt")
+            self._check_text_bytes(len(req.prompt.encode("utf-8")))  # no tokenizing what can't fit
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             if not all(_valid_unicode(m["content"]) for m in messages):
                 raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
+            self._check_text_bytes(sum(len(m["content"].encode("utf-8")) for m in messages))
             try:
                 ids = chat_prompt_ids(self.tokenizer, messages, req.add_generation_prompt)
             except ValueError as e:
@@ -342,6 +344,9 @@ class RequestLayer:
 
     def detokenize(self, body: bytes | dict) -> dict:
         req = self._parse(DetokenizeRequest, body)
+        if len(req.tokens) > self.engine.max_model_len:
+            raise bad_request(f"tokens: at most this model's context length ({self.engine.max_model_len})",
+                              param="tokens")
         vocab = self.engine.core.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:

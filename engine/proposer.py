@@ -21,7 +21,7 @@ import torch
 from engine.config import SpeculativeConfig, parallel_drafting_token
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, held_back_pairs, invalid_rows, \
     mask_tokens, sample_inverse_cdf
-from engine.step import DraftBatch, DraftOutput
+from engine.step import DraftBatch, DraftOutput, scored_positions
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
 
@@ -64,19 +64,14 @@ class DraftModelProposer:
                 feed = drafts[torch.tensor(active, device=dev), step - 1][:, None]
                 starts = [batch.starts[b] + len(batch.pending[b]) + step - 1 for b in active]
             logits = self.worker.forward([batch.slots[b] for b in active], starts, feed, last_only=True)[:, 0]
-            if self.mapping is not None:
-                logits = logits.masked_fill(~self.draft_mask, float("-inf"))
             rows = [batch.sampling[b] for b in active]
-            pairs = held_back_pairs(rows, list(range(len(active))), [1] * len(active), step, self._draft_ids)
-            logits = mask_tokens(logits, pairs)
+            logits = self._allowed(logits, rows, list(range(len(active))), [1] * len(active), step)
             index = torch.tensor(active, device=dev)
             if not self.probabilistic:
                 drafts[index, step] = logits.argmax(-1)
                 continue
-            q = batch_probs(logits, SamplingTensors.build([params[b] for b in active], dev), inplace=True)
-            invalid = invalid_rows(q)
+            q, invalid = self._distributions(logits, [params[b] for b in active])
             bad[index] |= invalid
-            q = torch.where(invalid[:, None], 1.0 / q.shape[-1], q)
             _, u = self.worker.draws([r.request_id for r in rows], [params[b].greedy for b in active],
                                      [0] * len(active), 0)
             drafts[index, step] = sample_inverse_cdf(q, u)
@@ -96,16 +91,9 @@ class DraftModelProposer:
         dev = self.worker.device
         feed = [batch.pending[b] + [self.mask_token] * (ks[b] - 1) for b in range(B)]
         logits = self.worker.forward(batch.slots, batch.starts, feed)  # [B, T, V]
-        T, V = logits.shape[1], logits.shape[2]
-        firsts, index = [], []
-        for b in range(B):  # row b's k_b proposing positions: its last pending token, then its masks
-            firsts.append(len(index))
-            start = b * T + len(batch.pending[b]) - 1
-            index.extend(range(start, start + ks[b]))
-        logits = logits.reshape(B * T, V)[torch.tensor(index, dtype=torch.long, device=dev)]  # [sum k_b, V]
-        if self.mapping is not None:
-            logits.masked_fill_(~self.draft_mask, float("-inf"))
-        logits = mask_tokens(logits, held_back_pairs(batch.sampling, firsts, ks, 0, self._draft_ids), inplace=True)
+        # row b's k_b proposing positions: its last pending token, then its masks
+        logits, firsts = scored_positions(logits, batch.pending, ks)  # [sum k_b, V]
+        logits = self._allowed(logits, batch.sampling, firsts, ks, 0)
         row_of = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(ks, device=dev))
         bad = torch.zeros(B, dtype=torch.bool, device=dev)
         q = None
@@ -113,23 +101,33 @@ class DraftModelProposer:
             drafts = logits.argmax(-1)
         else:
             params = [row.params for row in batch.sampling]
-            q = batch_probs(logits, SamplingTensors.build(params, dev, repeats=ks), inplace=True)
-            invalid = invalid_rows(q)
+            q, invalid = self._distributions(logits, params, ks)
             bad = torch.zeros(B, device=dev).index_add_(0, row_of, invalid.float()) > 0
-            q.masked_fill_(invalid[:, None], 1.0 / V)
             uniforms, _ = self.worker.draws([r.request_id for r in batch.sampling], [p.greedy for p in params],
                                             ks, max(ks))
-            column = torch.arange(len(index), device=dev) - torch.tensor(firsts, device=dev)[row_of]
+            column = torch.arange(len(logits), device=dev) - torch.tensor(firsts, device=dev)[row_of]
             drafts = sample_inverse_cdf(q, uniforms[row_of, column])
         if self.mapping is not None:
             drafts = self.draft_to_target[drafts]
         # the proposals' one device-to-host transfer
         host = torch.cat([drafts, bad.long()]).tolist()
         tokens = [host[firsts[b]: firsts[b] + ks[b]] for b in range(B)]
-        errors = {batch.slots[b]: INVALID_DISTRIBUTION for b in range(B) if host[len(index) + b]}
+        errors = {batch.slots[b]: INVALID_DISTRIBUTION for b in range(B) if host[len(logits) + b]}
         if q is not None and self.mapping is not None:
             q = self._to_target(q)
         return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors, probs=q)
+
+    def _allowed(self, logits: torch.Tensor, rows, firsts: list[int], counts: list[int], offset: int) -> torch.Tensor:
+        """In place: -inf outside the intersection (TLI) and for tokens held back before min_tokens."""
+        if self.mapping is not None:
+            logits.masked_fill_(~self.draft_mask, float("-inf"))
+        return mask_tokens(logits, held_back_pairs(rows, firsts, counts, offset, self._draft_ids), inplace=True)
+
+    def _distributions(self, logits: torch.Tensor, params, repeats: list[int] | None = None):
+        """(q after each row's sampling parameters, rows with no valid distribution: held uniform)."""
+        q = batch_probs(logits, SamplingTensors.build(params, self.worker.device, repeats), inplace=True)
+        invalid = invalid_rows(q)
+        return q.masked_fill_(invalid[:, None], 1.0 / q.shape[-1]), invalid
 
     def _to_target(self, q: torch.Tensor) -> torch.Tensor:
         """Draft distributions [N, V_draft] -> [N, V_target] (TLI: zero outside the intersection)."""

@@ -77,3 +77,20 @@ class VerifyOutput:
     logprobs: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
     elapsed_s: float = 0.0  # the target group's compute time (forward + rejection sampling)
     draft_elapsed_s: float = 0.0  # the draft group's, passed through (adaptive K measures both)
+
+
+def scored_positions(logits: Tensor, pending: list[list[int]], counts: list[int]) -> tuple[Tensor, list[int]]:
+    """A ragged forward's logits [B, T, V] -> the rows that score tokens, flat [sum counts, V]: row b's
+    counts[b] positions from its last pending token on (vLLM's layout), and where each row's begin.
+    No copy when those are all the positions (every row fed one pending token and counts[b] - 1 more)."""
+    B, T, V = logits.shape
+    firsts, index = [], []
+    for b in range(B):
+        firsts.append(len(index))
+        start = b * T + len(pending[b]) - 1
+        index.extend(range(start, start + counts[b]))
+    flat = logits.reshape(B * T, V)
+    if index != list(range(B * T)):
+        flat = flat[torch.tensor(index, dtype=torch.long, device=logits.device)]
+    return flat, firsts
+

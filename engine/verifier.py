@@ -9,7 +9,7 @@ from engine.config import SpeculativeConfig
 from engine.rejection import block_sample, rejection_sample, synthetic_sample
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, apply_penalties, held_back_pairs, mask_tokens, \
     processed_logprobs, step_probs
-from engine.step import DraftOutput, VerifyBatch, VerifyOutput
+from engine.step import DraftOutput, VerifyBatch, VerifyOutput, scored_positions
 from engine.worker import ModelWorker
 
 
@@ -28,17 +28,9 @@ class Verifier:
         counts = [len(d) for d in row_drafts]
         feed = [batch.pending[b] + row_drafts[b] for b in range(B)]
         logits = self.worker.forward(batch.slots, batch.starts, feed)  # [B, T, V]
-        T, V = logits.shape[1], logits.shape[2]
+        V = logits.shape[2]
         # row b's k_b + 1 verified positions, flat: vLLM's [num_draft_tokens + B, V]
-        firsts, index = [], []
-        for b in range(B):
-            firsts.append(len(index))
-            start = b * T + len(batch.pending[b]) - 1
-            index.extend(range(start, start + counts[b] + 1))
-        # every row feeding one pending token and all its drafts: the logits are already flat
-        flat = logits.reshape(B * T, V)
-        if index != list(range(B * T)):
-            flat = flat[torch.tensor(index, dtype=torch.long, device=dev)]
+        flat, firsts = scored_positions(logits, batch.pending, [k + 1 for k in counts])
         flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]), inplace=True)
         params = [row.params for row in batch.sampling]
         apply_penalties(flat, batch.sampling, firsts, [k + 1 for k in counts], row_drafts)

@@ -306,7 +306,9 @@ def test_tokenize_and_detokenize(base):
     assert chat["count"] > 2
     for path, payload, status in [("detokenize", {"tokens": [-1]}, 400), ("detokenize", {"tokens": [10**9]}, 400),
                                   ("tokenize", {}, 400), ("tokenize", {"prompt": "x", "model": "gpt-4"}, 404),
-                                  ("tokenize", {"prompt": "x", "frobnicate": 1}, 400)]:
+                                  ("tokenize", {"prompt": "x", "frobnicate": 1}, 400),
+                                  ("tokenize", {"prompt": "hello " * 50_000}, 400),  # more than any context
+                                  ("detokenize", {"tokens": [5] * 100_000}, 400)]:
         r = httpx.post(f"{base}/spec/{path}", json=payload)
         assert r.status_code == status and r.json()["error"]["message"], (path, payload)
     assert httpx.post(f"{base}/keyed/tokenize", json={"prompt": "x"}).status_code == 401
