@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import SecretStr
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.app import ServeArgs
@@ -63,6 +64,11 @@ class AbortingStream(StreamingResponse):
         watcher.add_done_callback(lambda t: t.cancelled() or abort_all(self.streams))
         try:
             await super().__call__(scope, receive, send)
+        except TaskCancelledError:
+            # the client left mid-stream and Serve cancelled the request: its receive() raises this
+            # where Starlette listens for the disconnect; the streams are aborted below, and letting it
+            # out only put Serve's own traceback in the log
+            log.info("a streamed request ended: the client went away")
         finally:
             watcher.cancel()
             abort_all(self.streams)
