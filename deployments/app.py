@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from engine.config import EngineConfig, SpeculativeConfig
 
@@ -27,6 +27,7 @@ class ServeArgs(BaseModel):
     seed: int = 0
     device: str = "auto"
     speculative_config: SpeculativeConfig | None = None
+    placement_strategy: str = "PACK"  # EngineConfig's: PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
     # The key: the CLI's --api-key (never from a YAML: Ray logs an application's args), an
     # environment variable's name, or a file. Unset: $TANDEM_API_KEY when that is set, else open.
     api_key: SecretStr | None = None
@@ -40,12 +41,26 @@ class ServeArgs(BaseModel):
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)  # larger bodies: 413
     max_queued_requests: int = Field(default=64, ge=0)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)  # accepted for vLLM parity
+    # Custom Ray resources each coordinator replica requires, e.g. {"tandem_coordinator": 1} with the
+    # head node started with that resource: the replicas (and so their gRPC servers) stay on the
+    # node the gRPC Service reaches; their model groups are placed anywhere.
+    coordinator_resources: dict[str, float] | None = None
+
+    @field_validator("coordinator_resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for name, amount in (value or {}).items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory") or amount <= 0:
+                raise ValueError(f"coordinator_resources: a custom resource name and a positive amount, got "
+                                 f"{name!r}: {amount!r} (a coordinator needs no CPU or GPU of its own)")
+        return value
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                             max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
                             max_num_seqs=self.max_num_seqs, seed=self.seed, device=self.device,
-                            distributed_executor_backend="ray", speculative_config=self.speculative_config)
+                            distributed_executor_backend="ray", placement_strategy=self.placement_strategy,
+                            speculative_config=self.speculative_config)
 
     @property
     def model_name(self) -> str:
@@ -72,4 +87,7 @@ def build_app(args: dict[str, Any]):
 def make_app(args: ServeArgs):
     from deployments.coordinator import Coordinator
 
+    if args.coordinator_resources:
+        options = {**Coordinator.ray_actor_options, "resources": dict(args.coordinator_resources)}
+        return Coordinator.options(ray_actor_options=options).bind(args)
     return Coordinator.bind(args)

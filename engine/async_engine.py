@@ -102,7 +102,7 @@ class AsyncEngine:
         serve should be replaced)."""
         if not self.alive():
             return "the engine's step loop is not running"
-        if self.core.scheduler.executor_down:
+        if self.core.scheduler.rebuild_failed:
             return "the model groups failed and could not be rebuilt"
         return None
 
@@ -149,7 +149,9 @@ class AsyncEngine:
         sched = self.core.scheduler
         while True:
             with self._lock:
-                while not self._stopped and not self._pending and not sched.has_unfinished():
+                # failed groups are rebuilt at once, not when the next request comes
+                while not self._stopped and not self._pending and not sched.has_unfinished() \
+                        and not sched.executor_down:
                     self._lock.wait()
                 if self._stopped:
                     return

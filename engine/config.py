@@ -130,6 +130,11 @@ class EngineConfig(BaseModel):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     distributed_executor_backend: Literal["mp", "ray"] | None = None
+    # How Ray places the ranks of both groups (one placement group, one bundle per rank, target's
+    # first): PACK fills a node before the next (the default: tensor parallelism wants one node's
+    # interconnect); STRICT_PACK refuses to leave one node; SPREAD / STRICT_SPREAD put consecutive
+    # ranks on different nodes (a draft on a node of its own: target TP 1 + draft TP 1, STRICT_SPREAD).
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     speculative_config: SpeculativeConfig | None = None
 
     @field_validator("speculative_config", mode="before")

@@ -196,15 +196,28 @@ class RayExecutor:
         bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
         tp = config.tensor_parallel_size
         dtp = config.draft_tensor_parallel_size if config.speculative_config else 0
-        self.placement = placement_group([bundle] * bundles_needed(config), strategy="PACK")
+        self.placement = placement_group([bundle] * bundles_needed(config), strategy=config.placement_strategy)
         try:  # TANDEM_PLACEMENT_TIMEOUT_S: how long to wait for the cluster to have room
             ray.get(self.placement.ready(), timeout=float(os.environ.get("TANDEM_PLACEMENT_TIMEOUT_S") or 120))
         except ray.exceptions.GetTimeoutError:
-            raise ExecutorError(f"could not reserve {tp + dtp} x {bundle} in the Ray cluster "
-                                f"(cluster resources: {ray.cluster_resources()})") from None
+            raise ExecutorError(f"could not reserve {tp + dtp} x {bundle} ({config.placement_strategy}) in the Ray "
+                                f"cluster (cluster resources: {ray.cluster_resources()})") from None
         self.target = self._group("target", tp, 0)
         self.draft = self._group("draft", dtp, tp) if dtp else []
         self._get([r.ready.remote() for r in self.target + self.draft])
+        log.info("model groups placed (%s): %s", config.placement_strategy,
+                 "; ".join(f"{role} ranks on {', '.join(ips)}" for role, ips in self.nodes().items()))
+
+    def nodes(self) -> dict[str, list[str]]:
+        """The node address each rank runs on, per group (rank order)."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        on = placement_group_table(self.placement)["bundles_to_node_id"]
+        tp = len(self.target)
+        return {"target": [address.get(on[i], "?") for i in range(tp)],
+                "draft": [address.get(on[tp + i], "?") for i in range(len(self.draft))]}
 
     def _group(self, role: str, world: int, first_bundle: int) -> list:
         import ray

@@ -74,7 +74,8 @@ class Scheduler:
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
-        self.executor_down = False
+        self.executor_down = False  # the groups failed: the next step rebuilds them first
+        self.rebuild_failed = False  # ... and the last try to rebuild them failed
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything about a request that needs the engine's limits (vLLM's messages); ValueError."""
@@ -215,25 +216,26 @@ class Scheduler:
         self._release(seq)
 
     def fail_running(self, message: str) -> list[Sequence]:
-        """A model group died: end every running sequence with the error, then rebuild the groups.
-        Waiting requests keep their place and run on the new groups; if the groups can't be rebuilt
-        now, the next step tries again and fails the waiting requests meanwhile (503, not a hang)."""
+        """A model group died: end every running sequence with the error; the next step rebuilds the
+        groups (so these errors reach their clients now, not after a placement that may wait for a
+        lost node). Waiting requests keep their place and run on the new groups; while the groups
+        can't be rebuilt, each step tries again and fails the waiting requests (503, not a hang)."""
         failed = list(self.running)
         for seq in failed:
             seq.finish_reason, seq.error = "error", message
             self.free_slots.append(seq.slot)
         self.running.clear()
         self._to_remove.clear()  # the old groups' per-request state goes with them
-        self._restart()
+        self.executor_down = True
         return failed
 
     def _restart(self) -> None:
         try:
             self.executor.restart()
-            self.executor_down = False
+            self.executor_down = self.rebuild_failed = False
         except Exception:  # noqa: BLE001 - e.g. no resources for the new groups yet
             log.exception("could not rebuild the model groups; retrying at the next step")
-            self.executor_down = True
+            self.executor_down = self.rebuild_failed = True
 
     def _flush_removals(self) -> None:
         """Drop finished requests' per-request state on the workers (deferred, so that a failure
