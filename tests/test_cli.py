@@ -103,3 +103,15 @@ def test_tandem_serve_serves_http_and_grpc_with_a_key_that_never_reaches_a_log()
     leaked = [str(f) for f in logs if secret.encode() in f.read_bytes()]
     shutil.rmtree(tmp_path, ignore_errors=True)
     assert leaked == []
+
+
+def test_placement_settings_are_checked_before_anything_starts():
+    parsed = serve_args_from_cli(["random:tiny-llama", "--placement-strategy", "STRICT_SPREAD"])
+    assert parse_args(parsed["args"]).engine_config().placement_strategy == "STRICT_SPREAD"
+    with pytest.raises(ValueError, match="placement_strategy"):
+        parse_args({"model": "random:tiny-llama", "placement_strategy": "EVERYWHERE"})
+    # a coordinator asks for custom resources only: CPUs and GPUs belong to its model groups
+    with pytest.raises(ValueError, match="coordinator_resources"):
+        parse_args({"model": "random:tiny-llama", "coordinator_resources": {"GPU": 1}})
+    with pytest.raises(ValueError, match="coordinator_resources"):
+        parse_args({"model": "random:tiny-llama", "coordinator_resources": {"tandem_coordinator": 0}})

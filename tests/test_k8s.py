@@ -4,6 +4,7 @@ is the application of serve_config.yaml (the CPU demo) or a valid config (the GP
 CRDs come from ../shared/kuberay/ or $KUBERAY_CRD_DIR.
 """
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -89,7 +90,8 @@ def test_serve_config_parses(path):
 def test_cpu_demo_is_serve_config_yaml():
     ours = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     k8s = serve_config_of(ROOT / "k8s" / "rayservice-cpu.yaml")
-    strip = lambda app: {**app, "args": {k: v for k, v in app["args"].items() if k != "grpc_host"}}  # noqa: E731
+    cluster_only = ("grpc_host", "grpc_share_port", "coordinator_resources")  # where a pod serves from
+    strip = lambda app: {**app, "args": {k: v for k, v in app["args"].items() if k not in cluster_only}}  # noqa: E731
     assert [strip(a) for a in k8s["applications"]] == [strip(a) for a in ours["applications"]]
     # reachable from the Service, unlike the local default (loopback for both)
     assert k8s["http_options"]["host"] == "0.0.0.0" and k8s["applications"][0]["args"]["grpc_host"] == "0.0.0.0"
@@ -112,6 +114,17 @@ def test_gpu_example():
 def test_ports_and_readiness(path):
     spec = load(path)["spec"]
     ports = {p["port"] for p in spec["serveService"]["spec"]["ports"]}
-    assert {8000, 9000, 8080} <= ports
-    head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {8000, 8080} <= ports
+    # gRPC: the coordinator replicas are pinned to the head pod and share its port 9000 (reached via
+    # the head Service); the serve Service would send gRPC to worker pods, where nothing listens
+    args = parse_args(serve_config_of(path)["applications"][0]["args"])
+    assert args.grpc_share_port and 9000 not in ports
+    head_group = spec["rayClusterConfig"]["headGroupSpec"]
+    head_resources = json.loads(json.loads(head_group["rayStartParams"]["resources"]))
+    for name, amount in args.coordinator_resources.items():
+        assert head_resources[name] >= amount
+        assert all(name not in w["rayStartParams"].get("resources", "")
+                   for w in spec["rayClusterConfig"]["workerGroupSpecs"])
+    head = head_group["template"]["spec"]["containers"][0]
+    assert 9000 in {p["containerPort"] for p in head["ports"]}
     assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
