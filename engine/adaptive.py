@@ -135,3 +135,51 @@ def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> in
         return 1
     c, v = ratios
     return choose_k(estimate.alpha, c, v, k_max, costs.step_overhead(), costs.parallel)
+
+
+class AheadPolicy:
+    """Draft-ahead on or off, by measured throughput (tokens per second of whole rounds): mostly the
+    better mode, with a short probe of the other now and then, less often while the answer holds.
+    Where overlapping loses (groups sharing cores: their forwards slow each other) it falls back to
+    sequential rounds by itself. A phase's first round is not measured: switching on, that round only
+    pays (no block is ready yet). `fixed` pins the mode (tests)."""
+
+    def __init__(self, probe_steps: int = 6, stay_steps: int = 24, max_stay_steps: int = 768,
+                 fixed: bool | None = None):
+        self.probe_steps, self.stay_steps, self.max_stay = probe_steps, stay_steps, max_stay_steps
+        self.fixed = fixed
+        self.rate: dict[bool, float] = {}
+        self.mode, self.left = True, probe_steps + 1  # start by measuring draft-ahead
+        self._measured = [0, 0.0, 0]  # tokens, seconds, rounds in this phase (after its first)
+        self.stays = stay_steps
+        self.rounds = {True: 0, False: 0}
+
+    def use(self) -> bool:
+        return self.fixed if self.fixed is not None else self.mode
+
+    def observe(self, mode: bool, tokens: int, seconds: float) -> None:
+        self.rounds[mode] += 1
+        if self.fixed is not None or mode != self.mode:
+            return
+        m = self._measured
+        if m[2] > 0 or self.left <= self.probe_steps:  # not the phase's first round
+            m[0] += tokens
+            m[1] += seconds
+        m[2] += 1
+        self.left -= 1
+        if self.left > 0:
+            return
+        if m[1] > 0:
+            r = m[0] / m[1]
+            self.rate[mode] = r if mode not in self.rate else 0.5 * (self.rate[mode] + r)
+        if len(self.rate) < 2:
+            nxt = not mode  # measure the other mode once
+            self.mode, self.left = nxt, self.probe_steps + 1
+        else:
+            best = self.rate[True] >= self.rate[False]
+            if mode != best:  # a probe (or a phase) of the loser ends: back to the better
+                self.mode, self.left = best, self.stays + 1
+            else:  # a stay of the better ends: probe the other; back off while the answer holds
+                self.stays = min(self.max_stay, self.stays * 2)
+                self.mode, self.left = not best, self.probe_steps + 1
+        self._measured = [0, 0.0, 0]

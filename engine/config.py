@@ -39,6 +39,13 @@ class SpeculativeConfig(BaseModel):
     # Tandem's extension: choose each request's K per step in [0, num_speculative_tokens] from
     # measured costs and its running acceptance (engine/adaptive.py); 0 is plain decoding.
     adaptive: bool = False
+    # Tandem's extension (PEARL-style post-verify): while the target verifies a block, the draft group
+    # drafts the next one, assuming the block is accepted whole and the target's bonus token equals
+    # the next draft; when it is, the next step verifies at once, else that block is discarded (the
+    # draft's cache rolls back) and the row drafts afresh. Off by default: it pays only when the
+    # groups run on their own devices (GPUs, or disjoint cores: EngineConfig.disjoint_cores); on
+    # shared cores the two forwards slow each other and the engine falls back to sequential steps.
+    draft_ahead: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -135,6 +142,10 @@ class EngineConfig(BaseModel):
     # interconnect); STRICT_PACK refuses to leave one node; SPREAD / STRICT_SPREAD put consecutive
     # ranks on different nodes (a draft on a node of its own: target TP 1 + draft TP 1, STRICT_SPREAD).
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    # CPU only: pin each rank of both groups to its own share of the node's cores (rank i of R gets
+    # cores [i*n/R, (i+1)*n/R)), as if each ran on its own device. Without it every rank uses every
+    # core (the groups take turns). Draft-ahead overlaps the groups only when this is on.
+    disjoint_cores: bool = False
     speculative_config: SpeculativeConfig | None = None
 
     @field_validator("speculative_config", mode="before")

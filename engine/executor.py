@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import ExecutorError, StepError
 from engine.models.loading import resolve_model
 from engine.proposer import DraftModelProposer
-from engine.step import DraftBatch, DraftOutput, VerifyBatch, VerifyOutput
+from engine.step import AheadBatch, DraftBatch, DraftOutput, VerifyBatch, VerifyOutput
 from engine.verifier import Verifier
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
@@ -33,7 +33,10 @@ class GroupRank:
 
     def __init__(self, role: str, config: EngineConfig, cache_len: int, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None, rank: int = 0, world: int = 1,
-                 dist_address: str | None = None, threads: int | None = None):
+                 dist_address: str | None = None, threads: int | None = None, cores: list[int] | None = None):
+        if cores:  # this rank's own cores (disjoint_cores): as if it had a device to itself
+            os.sched_setaffinity(0, cores)
+            threads = len(cores)
         if threads:
             torch.set_num_threads(threads)
         device = config.resolved_device()
@@ -79,9 +82,18 @@ class GroupRank:
         out.elapsed_s = time.perf_counter() - start
         return out if self.rank == 0 else None
 
-    def verify(self, batch: VerifyBatch, drafts: DraftOutput | None) -> VerifyOutput | None:
+    def propose_ahead(self, batch: AheadBatch, fresh: DraftOutput | None):
+        """(the proposals without distributions, for the scheduler; the whole output, for the next
+        verify): two Ray return values, so the distributions go only where they are used."""
         start = time.perf_counter()
-        out = self.verifier.verify(batch, drafts)
+        out = self.proposer.propose_ahead(batch, fresh)
+        out.elapsed_s = time.perf_counter() - start
+        return (out.summary(), out) if self.rank == 0 else (None, None)
+
+    def verify(self, batch: VerifyBatch, drafts: DraftOutput | None,
+               ahead: DraftOutput | None = None) -> VerifyOutput | None:
+        start = time.perf_counter()
+        out = self.verifier.verify(batch, drafts, ahead)
         out.elapsed_s = time.perf_counter() - start
         out.draft_elapsed_s = drafts.elapsed_s if drafts is not None else 0.0
         return out if self.rank == 0 else None
@@ -99,6 +111,7 @@ class LocalExecutor:
         self.draft = None
         if config.speculative_config is not None:
             self.draft = GroupRank("draft", config, cache_len, target_vocab, vocab_mapping)
+        self._ahead = None  # the last step's draft-ahead blocks (whole: the next verify reads them)
 
     def _ranks(self):
         return [r for r in (self.target, self.draft) if r is not None]
@@ -121,10 +134,16 @@ class LocalExecutor:
         except Exception as e:
             raise StepError(f"prefill raised {type(e).__name__}") from e
 
-    def step(self, verify: VerifyBatch, draft: DraftBatch | None) -> VerifyOutput:
+    def step(self, verify: VerifyBatch, draft: DraftBatch | None, ahead: AheadBatch | None = None) -> VerifyOutput:
+        """One round. In one process the draft-ahead blocks are drafted after the verify (nothing
+        overlaps here; the rounds are the same as RayExecutor's)."""
         try:
+            previous, self._ahead = self._ahead, None
             drafts = self.draft.propose(draft) if draft is not None else None
-            return self.target.verify(verify, drafts)
+            out = self.target.verify(verify, drafts, previous)
+            if ahead is not None:
+                out.ahead, self._ahead = self.draft.propose_ahead(ahead, drafts)
+            return out
         except Exception as e:
             raise StepError(f"step raised {type(e).__name__}") from e
 
@@ -185,6 +204,7 @@ class RayExecutor:
             init_ray(config, log_to_driver=False)
         self.config, self.cache_len, self.target_vocab = config, cache_len, target_vocab
         self.vocab_mapping, self.timeout_s = vocab_mapping, timeout_s
+        self._ahead = None  # ObjectRef: the last step's draft-ahead blocks, whole, for the next verify
         self._start()
 
     def _start(self) -> None:
@@ -239,8 +259,21 @@ class RayExecutor:
         resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 1}
         return [actor.options(**resources, **placed(first_bundle + rank), runtime_env=ACTOR_ENV).remote(
                     role, self.config, self.cache_len, self.target_vocab,
-                    self.vocab_mapping if role == "draft" else None, rank, world, address, threads)
+                    self.vocab_mapping if role == "draft" else None, rank, world, address, threads,
+                    self._cores(first_bundle + rank))
                 for rank in range(world)]
+
+    def _cores(self, index: int) -> list[int] | None:
+        """disjoint_cores: rank `index` of all ranks gets its share of this node's cores (the
+        groups of one engine on one node; on several nodes each node's share is the same range)."""
+        if not self.config.disjoint_cores or self.config.resolved_device() == "cuda":
+            return None
+        cores = sorted(os.sched_getaffinity(0))
+        ranks = bundles_needed(self.config)
+        if len(cores) < ranks:
+            raise ExecutorError(f"disjoint_cores: {ranks} ranks need at least {ranks} cores, this node has {len(cores)}")
+        share = len(cores) // ranks
+        return cores[index * share: (index + 1) * share]
 
     def _get(self, refs):
         import ray
@@ -272,11 +305,19 @@ class RayExecutor:
         results = self._get(target_refs + refs)
         return results[0] if target_refs else None
 
-    def step(self, verify: VerifyBatch, draft: DraftBatch | None) -> VerifyOutput:
+    def step(self, verify: VerifyBatch, draft: DraftBatch | None, ahead: AheadBatch | None = None) -> VerifyOutput:
+        previous, self._ahead = self._ahead, None
         draft_refs = [r.propose.remote(draft) for r in self.draft] if draft is not None else []
         drafts = draft_refs[0] if draft_refs else None  # an ObjectRef: Ray hands it to the target ranks
-        verify_refs = [r.verify.remote(verify, drafts) for r in self.target]
-        return self._get(verify_refs + draft_refs)[0]
+        verify_refs = [r.verify.remote(verify, drafts, previous) for r in self.target]
+        ahead_refs = []
+        if ahead is not None:  # drafted while the target verifies (the draft group's next call)
+            ahead_refs = [r.propose_ahead.options(num_returns=2).remote(ahead, drafts) for r in self.draft]
+        results = self._get(verify_refs + draft_refs + [summary for summary, _ in ahead_refs])
+        out = results[0]
+        if ahead_refs:
+            out.ahead, self._ahead = results[len(verify_refs) + len(draft_refs)], ahead_refs[0][1]
+        return out
 
     def target_logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):
         return self._get([r.logits.remote(slots, starts, tokens) for r in self.target])[0]
@@ -285,6 +326,7 @@ class RayExecutor:
         """Replace both groups with fresh actors (after a failure)."""
         log.warning("restarting the model groups")
         self.shutdown()
+        self._ahead = None
         self._start()
 
     def shutdown(self) -> None:

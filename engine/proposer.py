@@ -21,7 +21,7 @@ import torch
 from engine.config import SpeculativeConfig, parallel_drafting_token
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, held_back_pairs, invalid_rows, \
     mask_tokens, sample_inverse_cdf
-from engine.step import DraftBatch, DraftOutput, scored_positions
+from engine.step import AheadBatch, DraftBatch, DraftOutput, scored_positions
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
 
@@ -85,6 +85,26 @@ class DraftModelProposer:
         if not self.probabilistic:
             return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors)
         return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors, probs=self._flat_probs(batch, q_steps))
+
+    def propose_ahead(self, ahead: AheadBatch, fresh: DraftOutput | None) -> DraftOutput:
+        """The next blocks (engine/step.py AheadBatch): rows whose fresh proposals failed are left out."""
+        batch = ahead.draft
+        fresh_tokens = {} if fresh is None else {s: t for s, t in zip(fresh.slots, fresh.tokens)
+                                                 if s not in fresh.errors}
+        keep, pending = [], []
+        for b, slot in enumerate(batch.slots):
+            j = ahead.fresh_from[b]
+            if j is None:
+                keep.append(b)
+                pending.append(batch.pending[b])
+            elif slot in fresh_tokens:
+                keep.append(b)
+                pending.append(batch.pending[b] + self._draft_ids(tuple(fresh_tokens[slot][j:])))
+        if not keep:
+            return DraftOutput(slots=[], tokens=[])
+        return self.propose(DraftBatch(slots=[batch.slots[b] for b in keep], starts=[batch.starts[b] for b in keep],
+                                       pending=pending, num_drafts=[batch.num_drafts[b] for b in keep],
+                                       sampling=[batch.sampling[b] for b in keep]))
 
     def _propose_parallel(self, batch: DraftBatch) -> DraftOutput:
         B, ks = len(batch.slots), batch.num_drafts

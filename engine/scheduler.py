@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from engine.adaptive import AcceptanceEstimate, CostModel, adaptive_k
+from engine.adaptive import AcceptanceEstimate, AheadPolicy, CostModel, adaptive_k
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
 from engine.metrics import EngineCounters, SpecDecodeStats
-from engine.step import DraftBatch, RowSampling, VerifyBatch
+from engine.step import AheadBatch, DraftBatch, RowSampling, VerifyBatch
 from engine.vocab_mapping import VocabMapping
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class Sequence:
     target_cached: int = 0  # tokens of prompt+output in the target's cache
     draft_ids: list[int] = field(default_factory=list)  # the draft's view of prompt+output
     draft_cached: int = 0  # -1: this sequence never drafts (its draft context can't fit the cache)
+    # draft-ahead: the next step's drafts, proposed during the last verify (target vocabulary); with
+    # them the draft cache holds draft_ids + ahead[:draft_cached - len(draft_ids)]
+    ahead: list[int] | None = None
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
@@ -74,6 +78,9 @@ class Scheduler:
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
+        self.ahead_policy = AheadPolicy()
+        self.ahead_drafted = self.ahead_used = 0  # draft-ahead blocks drafted / verified next step
+        self._synthetic_rng = random.Random(config.seed)
         self.executor_down = False  # the groups failed: the next step rebuilds them first
         self.rebuild_failed = False  # ... and the last try to rebuild them failed
 
@@ -164,15 +171,24 @@ class Scheduler:
 
     def _round(self, rows: list[Sequence]) -> list[Sequence]:
         start = time.perf_counter()
-        ks = [self._num_drafts(seq) for seq in rows]
+        ahead_on = self.spec is not None and self.spec.draft_ahead and self.ahead_policy.use()
+        blocks = [self._ahead_block(seq) if ahead_on else None for seq in rows]
+        for seq in rows:
+            seq.ahead = None  # used now or never: the draft cache moves on either way
+        ks = [len(blk) if blk else self._num_drafts(seq) for seq, blk in zip(rows, blocks)]
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
             slots=[s.slot for s in rows],
             starts=[s.target_cached for s in rows],
             pending=[s.all_ids[s.target_cached:] for s in rows],
             sampling=sampling,
+            ahead_counts=[len(blk) if blk else 0 for blk in blocks],
         )
-        drafting = [b for b, k in enumerate(ks) if k > 0]
+        # the draft proposes unpenalized (any q keeps verification exact): no histories
+        draft_sampling = [replace(x, prompt_ids=(), output_ids=()) for x in sampling]
+        drafting = [b for b, k in enumerate(ks) if k > 0 and not blocks[b]]
+        for b in drafting:  # a fresh draft feeds at least the last committed token
+            rows[b].draft_cached = min(rows[b].draft_cached, len(rows[b].draft_ids) - 1)
         draft = None
         if drafting:
             draft = DraftBatch(
@@ -180,10 +196,16 @@ class Scheduler:
                 starts=[rows[b].draft_cached for b in drafting],
                 pending=[rows[b].draft_ids[rows[b].draft_cached:] for b in drafting],
                 num_drafts=[ks[b] for b in drafting],
-                # the draft proposes unpenalized (any q keeps verification exact): no histories
-                sampling=[replace(sampling[b], prompt_ids=(), output_ids=()) for b in drafting],
+                sampling=[draft_sampling[b] for b in drafting],
             )
-        result = self.executor.step(verify, draft)
+        ahead = self._ahead_batch(rows, ks, blocks, draft_sampling) if ahead_on else None
+        ahead_rows = set(ahead.draft.slots) if ahead is not None else set()
+        self.ahead_drafted += len(ahead_rows)
+        result = self.executor.step(verify, draft, ahead)
+        proposed = {}
+        if result.ahead is not None:
+            proposed = {slot: t for slot, t in zip(result.ahead.slots, result.ahead.tokens)
+                        if slot not in result.ahead.errors}
         for b, seq in enumerate(rows):
             if b in result.errors:
                 self._fail(seq, result.errors[b])
@@ -196,20 +218,89 @@ class Scheduler:
             self.stats.observe(k, accepted)
             n_pending = len(verify.pending[b])
             seq.target_cached += n_pending + accepted
-            if k > 0:
+            known = len(seq.draft_ids)  # before this step's tokens are appended
+            if seq.slot in ahead_rows:
+                # the draft cache holds draft_ids + this step's drafts (+ the next block's proposals
+                # fed while drafting it, sequentially); the next block is good when every draft was
+                # accepted and the bonus token is the block's first proposal
+                nxt = proposed.get(seq.slot)
+                if nxt is not None and len(nxt) == k + 1 and accepted == k and self._continues(new[-1], nxt[0], k):
+                    seq.ahead = nxt[1:]
+                    self.ahead_used += 1
+                    seq.draft_cached = known + k + (k if not self.spec.parallel_drafting else 0)
+                else:
+                    seq.draft_cached = known + accepted
+            elif k > 0:
                 # the draft cache now holds all of draft_ids (its pending tokens were fed) and drafts
                 # 1..k-1; with parallel drafting it saw mask tokens in their place, so only draft_ids
-                seq.draft_cached = len(seq.draft_ids) + (0 if self.spec.parallel_drafting else min(accepted, k - 1))
+                seq.draft_cached = known + (0 if self.spec.parallel_drafting else min(accepted, k - 1))
             try:
                 self._append(seq, new, result.logprobs.get(b))
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing; fails this request only
                 log.error("request %s failed after the step", seq.request_id, exc_info=e)
                 seq.finish_reason, seq.error = "error", INTERNAL_ERROR
             if seq.finished:
+                seq.ahead = None
                 self._release(seq)
+        elapsed = time.perf_counter() - start
         if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
-            self.costs.observe(max(ks), result.draft_elapsed_s, result.elapsed_s, time.perf_counter() - start)
+            self.costs.observe(max(ks), result.draft_elapsed_s, result.elapsed_s, elapsed)
+        if self.spec is not None and self.spec.draft_ahead:
+            self.ahead_policy.observe(ahead_on, sum(len(t) for t in result.tokens), elapsed)
         return rows
+
+    def _ahead_block(self, seq: Sequence) -> list[int] | None:
+        """The drafts this row verifies from its draft-ahead block (None: it drafts afresh). Fewer
+        than the block when the row's budget is smaller; the draft cache then keeps only what
+        precedes the last of them."""
+        if not seq.ahead or seq.draft_cached < 0:
+            return None
+        k = min(len(seq.ahead), self._budget(seq) - 1)
+        if k <= 0:
+            seq.draft_cached = min(seq.draft_cached, len(seq.draft_ids))
+            return None
+        seq.draft_cached = min(seq.draft_cached, len(seq.draft_ids) + k - 1)
+        return seq.ahead[:k]
+
+    def _ahead_batch(self, rows: list[Sequence], ks: list[int], blocks: list, sampling: list[RowSampling]):
+        """The next blocks to draft during this step's verify: k_b + 1 proposals after this step's k_b
+        drafts, for each drafting row whose draft cache has room for them."""
+        slots, starts, pending, counts, fresh_from, rows_sampling = [], [], [], [], [], []
+        for b, seq in enumerate(rows):
+            k = ks[b]
+            if k <= 0 or len(seq.draft_ids) + 2 * k + 1 > self.max_model_len:
+                continue
+            if blocks[b]:  # drafts known: feed what the cache lacks of draft_ids + block
+                virtual = seq.draft_ids + (self.vocab_mapping.to_draft(blocks[b], retokenize=False)
+                                           if self.vocab_mapping else blocks[b])
+                starts.append(seq.draft_cached)
+                pending.append(virtual[seq.draft_cached:])
+                fresh_from.append(None)
+            elif self.spec.parallel_drafting:  # the fresh call cached draft_ids only
+                starts.append(len(seq.draft_ids))
+                pending.append([])
+                fresh_from.append(0)
+            else:  # the fresh call cached draft_ids and drafts 1..k-1
+                starts.append(len(seq.draft_ids) + k - 1)
+                pending.append([])
+                fresh_from.append(k - 1)
+            slots.append(seq.slot)
+            counts.append(k + 1)
+            # held-back tokens (min_tokens) at the next block's positions, k + 1 further on
+            rows_sampling.append(replace(sampling[b], hold_back_until=max(0, sampling[b].hold_back_until - k - 1)))
+        if not slots:
+            return None
+        return AheadBatch(DraftBatch(slots, starts, pending, counts, rows_sampling), fresh_from)
+
+    def _continues(self, bonus: int, first: int, k: int) -> bool:
+        """Whether the draft-ahead block goes on from this step's last token. Synthetic acceptance
+        (benchmarks) accepts the block's first proposal as it would a draft at position k + 1."""
+        if self.spec.rejection_sample_method != "synthetic":
+            return bonus == first
+        rates = self.spec.synthetic_rates()
+        p = rates[k] / rates[k - 1] if k < len(rates) and rates[k - 1] > 0 else \
+            (rates[-1] / rates[-2] if len(rates) > 1 and rates[-2] > 0 else rates[0])
+        return self._synthetic_rng.random() < p
 
     def _fail(self, seq: Sequence, message: str) -> None:
         seq.finish_reason, seq.error = "error", message

@@ -44,19 +44,55 @@ class DraftOutput:
     elapsed_s: float = 0.0  # the draft group's compute time for this batch
     errors: dict[int, str] = field(default_factory=dict)  # slot -> why that row failed (its drafts are void)
 
-    def for_slots(self, slots: list[int]) -> tuple[list[list[int]], Tensor | None]:
+    def for_slots(self, slots: list[int], spans: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], Tensor | None]:
         """Drafts in the order of `slots` (none for a slot that was not drafted, or failed), and
-        their distributions flat in that order."""
+        their distributions flat in that order. `spans[i]` = (first, count): only those of slot i's
+        drafts (a draft-ahead block is a row's drafts after its first); count 0: none."""
         index = {slot: i for i, slot in enumerate(self.slots)}
         rows = [index.get(slot) if slot not in self.errors else None for slot in slots]
-        tokens = [self.tokens[i] if i is not None else [] for i in rows]
+        spans = spans or [(0, len(self.tokens[i]) if i is not None else 0) for i in rows]
+        tokens = [self.tokens[i][a: a + n] if i is not None else [] for i, (a, n) in zip(rows, spans)]
         if self.probs is None:
             return tokens, None
         starts = [0]
         for t in self.tokens:
             starts.append(starts[-1] + len(t))
-        order = [j for i in rows if i is not None for j in range(starts[i], starts[i + 1])]
+        order = [starts[i] + a + j for i, (a, n) in zip(rows, spans) if i is not None for j in range(n)]
         return tokens, self.probs[torch.tensor(order, dtype=torch.long, device=self.probs.device)]
+
+    def summary(self) -> "DraftOutput":
+        """The proposals without their distributions (what the scheduler reads of a draft-ahead block)."""
+        return DraftOutput(self.slots, self.tokens, None, self.elapsed_s, self.errors)
+
+
+def merge_drafts(slots: list[int], fresh: DraftOutput | None, ahead: DraftOutput | None,
+                 ahead_counts: list[int]) -> tuple[list[list[int]], Tensor | None]:
+    """Each row's drafts for one verify step: ahead_counts[b] > 0 takes that many of the previous
+    draft-ahead block's proposals after its first (the first stood for the bonus token), else the
+    fresh drafts; their distributions flat in row order (None when drafting is greedy)."""
+    B = len(slots)
+    if ahead is None or not any(ahead_counts):
+        return fresh.for_slots(slots) if fresh is not None else ([[]] * B, None)
+    from_ahead = [b for b in range(B) if ahead_counts[b] > 0]
+    tokens_a, q_a = ahead.for_slots([slots[b] for b in from_ahead], [(1, ahead_counts[b]) for b in from_ahead])
+    rest = [b for b in range(B) if ahead_counts[b] == 0]
+    tokens_f, q_f = fresh.for_slots([slots[b] for b in rest]) if fresh is not None else ([[]] * len(rest), None)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    for b, t in zip(from_ahead, tokens_a):
+        tokens[b] = t
+    for b, t in zip(rest, tokens_f):
+        tokens[b] = t
+    if q_a is None and q_f is None:
+        return tokens, None
+    # distributions back in row order: each source's rows are already in order, interleave them
+    parts, cursor = [], {"a": 0, "f": 0}
+    for b in range(B):
+        src, q = ("a", q_a) if ahead_counts[b] > 0 else ("f", q_f)
+        n = len(tokens[b])
+        if n:
+            parts.append(q[cursor[src]: cursor[src] + n])
+            cursor[src] += n
+    return tokens, (torch.cat(parts) if parts else None)
 
 
 @dataclass
@@ -65,6 +101,21 @@ class VerifyBatch:
     starts: list[int]  # [B] cache position of pending[b][0]
     pending: list[list[int]]  # [B][>=1] target tokens the target cache has not seen (the last committed)
     sampling: list[RowSampling]  # [B]
+    # [B] with draft-ahead: > 0 takes that many drafts from the previous step's draft-ahead block
+    # (after its first proposal), 0 the fresh drafts; empty: all fresh
+    ahead_counts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class AheadBatch:
+    """Draft-ahead: the draft group proposes the next block while the target verifies this one, for
+    each row as if this step's drafts were accepted whole. `draft.num_drafts[b]` is k_b + 1 (the first
+    proposal stands for the target's bonus token). `fresh_from[b]`: None when `draft.pending[b]` is
+    everything the draft cache lacks; j: this step's fresh proposals for the row's slot from the j-th
+    on (in the draft's vocabulary) follow its pending tokens (they are not known before the step)."""
+
+    draft: DraftBatch
+    fresh_from: list[int | None]
 
 
 @dataclass
@@ -77,6 +128,7 @@ class VerifyOutput:
     logprobs: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
     elapsed_s: float = 0.0  # the target group's compute time (forward + rejection sampling)
     draft_elapsed_s: float = 0.0  # the draft group's, passed through (adaptive K measures both)
+    ahead: DraftOutput | None = None  # draft-ahead: the next blocks' proposals (no distributions)
 
 
 def scored_positions(logits: Tensor, pending: list[list[int]], counts: list[int]) -> tuple[Tensor, list[int]]:

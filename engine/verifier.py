@@ -9,7 +9,7 @@ from engine.config import SpeculativeConfig
 from engine.rejection import block_sample, rejection_sample, synthetic_sample
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, apply_penalties, held_back_pairs, mask_tokens, \
     processed_logprobs, step_probs
-from engine.step import DraftOutput, VerifyBatch, VerifyOutput, scored_positions
+from engine.step import DraftOutput, VerifyBatch, VerifyOutput, merge_drafts, scored_positions
 from engine.worker import ModelWorker
 
 
@@ -21,10 +21,12 @@ class Verifier:
                                 if spec and self.method == "synthetic" else None)
 
     @torch.inference_mode()
-    def verify(self, batch: VerifyBatch, drafts: DraftOutput | None) -> VerifyOutput:
+    def verify(self, batch: VerifyBatch, drafts: DraftOutput | None, ahead: DraftOutput | None = None) -> VerifyOutput:
+        """`drafts`: this step's fresh proposals; `ahead`: the previous step's draft-ahead blocks, for
+        the rows batch.ahead_counts names."""
         B = len(batch.slots)
         dev = self.worker.device
-        row_drafts, q = drafts.for_slots(batch.slots) if drafts else ([[]] * B, None)
+        row_drafts, q = merge_drafts(batch.slots, drafts, ahead, batch.ahead_counts or [0] * B)
         counts = [len(d) for d in row_drafts]
         feed = [batch.pending[b] + row_drafts[b] for b in range(B)]
         logits = self.worker.forward(batch.slots, batch.starts, feed)  # [B, T, V]
