@@ -28,6 +28,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"],
                    help="how Ray places the model groups' ranks on a multi-node cluster")
+    p.add_argument("--disjoint-cores", action="store_true", default=None,
+                   help="CPU: pin each rank of both groups to its own share of the node's cores")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="accepted for vLLM compatibility (KV caches are sized by max-num-seqs x max-model-len)")
     p.add_argument("--served-model-name", default=None)

@@ -149,7 +149,7 @@ class AheadPolicy:
         self.probe_steps, self.stay_steps, self.max_stay = probe_steps, stay_steps, max_stay_steps
         self.fixed = fixed
         self.rate: dict[bool, float] = {}
-        self.mode, self.left = True, probe_steps + 1  # start by measuring draft-ahead
+        self.mode, self.left = False, probe_steps + 1  # start sequential, then measure draft-ahead
         self._measured = [0, 0.0, 0]  # tokens, seconds, rounds in this phase (after its first)
         self.stays = stay_steps
         self.rounds = {True: 0, False: 0}

@@ -216,6 +216,10 @@ class RayExecutor:
         bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
         tp = config.tensor_parallel_size
         dtp = config.draft_tensor_parallel_size if config.speculative_config else 0
+        cores = len(os.sched_getaffinity(0))
+        if config.disjoint_cores and not cuda and cores < bundles_needed(config):
+            raise ValueError(f"disjoint_cores: {bundles_needed(config)} ranks (target and draft groups) need at "
+                             f"least as many cores; this node has {cores}")
         self.placement = placement_group([bundle] * bundles_needed(config), strategy=config.placement_strategy)
         try:  # TANDEM_PLACEMENT_TIMEOUT_S: how long to wait for the cluster to have room
             ray.get(self.placement.ready(), timeout=float(os.environ.get("TANDEM_PLACEMENT_TIMEOUT_S") or 120))
@@ -269,10 +273,7 @@ class RayExecutor:
         if not self.config.disjoint_cores or self.config.resolved_device() == "cuda":
             return None
         cores = sorted(os.sched_getaffinity(0))
-        ranks = bundles_needed(self.config)
-        if len(cores) < ranks:
-            raise ExecutorError(f"disjoint_cores: {ranks} ranks need at least {ranks} cores, this node has {len(cores)}")
-        share = len(cores) // ranks
+        share = len(cores) // bundles_needed(self.config)  # >= 1: checked before placing the groups
         return cores[index * share: (index + 1) * share]
 
     def _get(self, refs):

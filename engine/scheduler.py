@@ -175,6 +175,7 @@ class Scheduler:
         blocks = [self._ahead_block(seq) if ahead_on else None for seq in rows]
         for seq in rows:
             seq.ahead = None  # used now or never: the draft cache moves on either way
+        self.ahead_used += sum(1 for blk in blocks if blk)
         ks = [len(blk) if blk else self._num_drafts(seq) for seq, blk in zip(rows, blocks)]
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
@@ -226,7 +227,6 @@ class Scheduler:
                 nxt = proposed.get(seq.slot)
                 if nxt is not None and len(nxt) == k + 1 and accepted == k and self._continues(new[-1], nxt[0], k):
                     seq.ahead = nxt[1:]
-                    self.ahead_used += 1
                     seq.draft_cached = known + k + (k if not self.spec.parallel_drafting else 0)
                 else:
                     seq.draft_cached = known + accepted

@@ -27,7 +27,8 @@ def test_workers_live_on_the_gpu():
         assert all(g.device.type == "cuda" for g in rank.worker.generators.values()) or not rank.worker.generators
 
 
-@pytest.mark.parametrize("spec", [{}, {"rejection_sample_method": "block"}, {"draft_sample_method": "probabilistic"}])
+@pytest.mark.parametrize("spec", [{}, {"rejection_sample_method": "block"}, {"draft_sample_method": "probabilistic"},
+                                  {"draft_ahead": True}, {"draft_ahead": True, "model": TARGET}])
 def test_greedy_speculation_equals_plain_decoding(spec):
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in cuda_llm().generate(PROMPTS, greedy)]

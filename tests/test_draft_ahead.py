@@ -5,6 +5,8 @@ rolls back). Whatever happens to the blocks, the output is the target's: greedy 
 draft-ahead on / off / plain (tiny and real pairs, sequential and parallel drafting, block
 verification, adaptive K, TLI, Ray with tensor parallelism), and chi-squared on a token that a
 draft-ahead block proposed. The policy that turns it off where it loses is tested on its own."""
+import os
+
 import numpy as np
 import pytest
 import ray
@@ -181,3 +183,10 @@ def test_ray_groups(ray_cluster, reference, tp, extra):
         assert llm.scheduler.ahead_used > 0
     finally:
         llm.core.shutdown()
+
+
+def test_disjoint_cores_needs_a_core_per_rank(ray_cluster):
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="disjoint_cores"):
+        LLM(model=TARGET, tensor_parallel_size=cores, distributed_executor_backend="ray", disjoint_cores=True,
+            speculative_config={"model": TARGET, "num_speculative_tokens": 2})
