@@ -186,7 +186,13 @@ def test_groups_that_cannot_be_rebuilt_make_the_engine_unhealthy(reference, monk
     blockers = []
     try:
         assert engine.health() is None
+        # every CPU but this engine's two is free once an earlier test's actors are gone (their
+        # release is asynchronous; a CPU freed after the blocker is placed would let the groups back in)
+        total, deadline = int(ray.cluster_resources()["CPU"]), time.monotonic() + 60
+        while int(ray.available_resources().get("CPU", 0)) != total - 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         free = int(ray.available_resources().get("CPU", 0))
+        assert free == total - 2
         blockers.append(placement_group([{"CPU": 1}] * free))
         ray.get(blockers[0].ready(), timeout=60)
         # queued before the engine's next reservation: it takes the CPUs the failed groups release
