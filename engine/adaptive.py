@@ -138,8 +138,11 @@ def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> in
 
 
 class AheadPolicy:
-    """Draft-ahead on or off, by measured throughput (tokens per second of whole rounds): mostly the
-    better mode, with a short probe of the other now and then, less often while the answer holds.
+    """Draft-ahead on or off, by measured round time: mostly the faster mode, with a short probe of the
+    other now and then, less often while the answer holds. Rounds, not tokens: a round's expected
+    tokens are the same in both modes (acceptance doesn't depend on who drafted when), while the tokens
+    of a few rounds vary far more than their time (6 rounds at a = 0.5: +-20%), which made a probe's
+    verdict noise.
     Where overlapping loses (groups sharing cores: their forwards slow each other) it falls back to
     sequential rounds by itself. A phase's first round is not measured: switching on, that round only
     pays (no block is ready yet). `fixed` pins the mode (tests)."""
@@ -169,8 +172,8 @@ class AheadPolicy:
         self.left -= 1
         if self.left > 0:
             return
-        if m[1] > 0:
-            r = m[0] / m[1]
+        if m[1] > 0 and m[2] > 1:
+            r = (m[2] - 1) / m[1]  # measured rounds per second
             self.rate[mode] = r if mode not in self.rate else 0.5 * (self.rate[mode] + r)
         if len(self.rate) < 2:
             nxt = not mode  # measure the other mode once
