@@ -29,6 +29,7 @@ class ServeArgs(BaseModel):
     speculative_config: SpeculativeConfig | None = None
     placement_strategy: str = "PACK"  # EngineConfig's: PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
     disjoint_cores: bool = False  # EngineConfig's: each CPU rank on its own share of the node's cores
+    gguf_weights: str = "blocks"  # EngineConfig's: blocks | float32
     # The key: the CLI's --api-key (never from a YAML: Ray logs an application's args), an
     # environment variable's name, or a file. Unset: $TANDEM_API_KEY when that is set, else open.
     api_key: SecretStr | None = None
@@ -61,7 +62,7 @@ class ServeArgs(BaseModel):
                             max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
                             max_num_seqs=self.max_num_seqs, seed=self.seed, device=self.device,
                             distributed_executor_backend="ray", placement_strategy=self.placement_strategy,
-                            disjoint_cores=self.disjoint_cores,
+                            disjoint_cores=self.disjoint_cores, gguf_weights=self.gguf_weights,
                             speculative_config=self.speculative_config)
 
     @property

@@ -30,6 +30,8 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="how Ray places the model groups' ranks on a multi-node cluster")
     p.add_argument("--disjoint-cores", action="store_true", default=None,
                    help="CPU: pin each rank of both groups to its own share of the node's cores")
+    p.add_argument("--gguf-weights", default=None, choices=["blocks", "float32"],
+                   help="CPU, GGUF models: the file's int8 blocks (default) or dequantized float32 copies")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="accepted for vLLM compatibility (KV caches are sized by max-num-seqs x max-model-len)")
     p.add_argument("--served-model-name", default=None)

@@ -50,7 +50,8 @@ class GroupRank:
         spec = config.speculative_config
         name = config.model if role == "target" else spec.model
         self.worker = ModelWorker(resolve_model(name), config.max_num_seqs, cache_len, config.torch_dtype(),
-                                  device, rng_stream=role, rank=rank, world=world, group=group)
+                                  device, rng_stream=role, rank=rank, world=world, group=group,
+                                  gguf_blocks=config.gguf_weights == "blocks")
         self.rank = rank
         if role == "draft":
             self.proposer = DraftModelProposer(self.worker, spec, target_vocab, vocab_mapping)

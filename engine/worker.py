@@ -5,28 +5,51 @@ slots and lengths. Drafting and verification are its two jobs (proposer.py, veri
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from engine.kv_cache import KVCache
-from engine.models.linear import pack_linears
+from engine.models.gguf_blocks import read_block_weights
+from engine.models.linear import pack_linears, use_blocks
 from engine.models.loading import ModelSource, build_model, load_state_dict
+from engine.models.skinny import skinny_kernel_available
 from engine.models.tp import shard
+
+logger = logging.getLogger(__name__)
+
+
+def _return_freed_memory() -> None:
+    """Hand the load's freed float32 copies back to the OS: glibc keeps freed heap pages, and
+    a worker's resident size would stay at its load-time peak."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class ModelWorker:
     def __init__(self, source: ModelSource, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: str = "cpu", rng_stream: str = "target", pack: bool = True,
-                 rank: int = 0, world: int = 1, group=None):
+                 rank: int = 0, world: int = 1, group=None, gguf_blocks: bool = True):
         config, state = load_state_dict(source)
-        self.model = shard(build_model(config, state, dtype=dtype, device=device), rank, world, group)
+        model = build_model(config, state, dtype=dtype, device=device)
+        if gguf_blocks and pack and source.kind == "gguf" and device == "cpu" and dtype == torch.float32 \
+                and skinny_kernel_available():
+            # the file's own int8 blocks instead of float32 (bit-identical outputs, ~1/3 the bytes)
+            nbytes = use_blocks(model, read_block_weights(Path(source.path), state, config))
+            logger.info("%s: quantized weights kept as int8 blocks (%.0f MB)", Path(source.path).name, nbytes / 2**20)
         del state
+        self.model = shard(model, rank, world, group)
         if pack:
             self.model.fuse_projections()
             if device == "cpu" and dtype == torch.float32:
                 pack_linears(self.model)
+        _return_freed_memory()
         self.args = self.model.args
         self.hf_config = config
         self.device = device

@@ -1,4 +1,4 @@
-"""Linear layers on the fastest float32 CPU kernel for the step's row count, chosen per call.
+"""Linear layers on the fastest CPU kernel for the step's row count, chosen per call.
 
 - up to skinny.MAX_ROWS rows (decode and verify steps): our AVX-512 kernel. It reads each weight
   line once for all rows, so a verify step of K+1 tokens costs little more than a decode step, and
@@ -6,7 +6,9 @@
 - more rows (prefill): oneDNN with a pre-packed weight (MKL's sgemm is 2-3x slower here).
 
 Both need their own copy of the weight, so float32 linears on CPU hold their weights twice.
-Other dtypes and devices use F.linear.
+A GGUF model's quantized linears and embedding instead hold int8 blocks (`use_blocks`,
+gguf_blocks.py): the block kernel for small steps, the weight dequantized for the call in prefill;
+bit-identical to the float32 layers. Other dtypes and devices use F.linear.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.models.gguf_blocks import BlockWeight
 from engine.models.skinny import MAX_ROWS, skinny_kernel_available
 
 
@@ -22,6 +25,14 @@ def onednn_available() -> bool:
 
 
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
+    blocks = getattr(layer, "blocks", None)
+    if blocks is not None:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= MAX_ROWS:
+            out = torch.ops.tandem.block_linear(flat.contiguous(), blocks.q, blocks.scale_offset, blocks.group, layer.bias)
+        else:  # the float32 path's own oneDNN call, on this call's dequantized copy
+            out = torch.ops.mkldnn._linear_pointwise(flat, blocks.dequantize().to_mkldnn(), layer.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
         return F.linear(x, layer.weight, layer.bias)
@@ -31,6 +42,40 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     else:
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, layer.bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def embedding(tokens: Tensor, layer: nn.Embedding) -> Tensor:
+    blocks = getattr(layer, "blocks", None)
+    return layer(tokens) if blocks is None else blocks.dequantize(tokens)
+
+
+def out_features(layer: nn.Linear) -> int:
+    blocks = getattr(layer, "blocks", None)
+    return (blocks if blocks is not None else layer.weight).shape[0]
+
+
+def set_blocks(layer: nn.Module, blocks: BlockWeight | None) -> None:
+    """Give a linear or embedding its weights as blocks (releasing the float32 copy), or, with
+    None, back as float32."""
+    if blocks is None:
+        old = getattr(layer, "blocks", None)
+        if old is not None:
+            layer.weight = nn.Parameter(old.dequantize(), requires_grad=False)
+    else:
+        layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    layer.blocks = blocks
+
+
+def use_blocks(model: nn.Module, blocks: dict[str, BlockWeight]) -> int:
+    """Swap the float32 weights of `model` (a Transformer, before sharding) named in `blocks`
+    for those blocks; a tied LM head shares the embedding's. Returns the bytes the blocks take."""
+    modules = dict(model.named_modules())
+    for name, weight in blocks.items():
+        set_blocks(modules[name.removesuffix(".weight")], weight)
+    embed, head = model.model.embed_tokens, model.lm_head
+    if model.args.tie_word_embeddings and getattr(embed, "blocks", None) is not None:
+        set_blocks(head, embed.blocks)
+    return sum(w.nbytes for w in blocks.values())
 
 
 def pack_linears(model: nn.Module, skinny: bool | None = None) -> int:
@@ -48,8 +93,8 @@ def pack_linears(model: nn.Module, skinny: bool | None = None) -> int:
               if not name.endswith(("_proj.weight", "lm_head.weight"))}
     count = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" \
-                and module.weight.dtype == torch.float32:
+        if isinstance(module, nn.Linear) and getattr(module, "blocks", None) is None \
+                and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             module.packed_weight = module.weight.detach().to_mkldnn()
             module.skinny = skinny
             if skinny:

@@ -1,4 +1,4 @@
-"""Our float32 small-M linear kernel (csrc/skinny_linear.cpp), compiled on first use.
+"""Our small-M linear kernels (csrc/skinny_linear.cpp: float32 and int8-block weights), compiled on first use.
 
 Compiled for any AVX-512 CPU (not -march=native, so a cache or image built on one machine runs on
 another) into $TANDEM_CACHE_DIR/kernels (default ~/.cache/tandem/kernels), once per source and
@@ -19,7 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
-CFLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp"]  # block_linear: never fuse its multiply-add
 MAX_ROWS = 16  # beyond this oneDNN's blocked GEMM is as fast or faster (benchmarks/decode_step.py)
 
 

@@ -11,17 +11,29 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.linear import out_features, set_blocks
 from engine.models.transformer import Transformer
 
 
 def _keep_rows(layer: nn.Linear, rank: int, world: int) -> None:
-    rows = layer.weight.shape[0] // world
-    layer.weight = nn.Parameter(layer.weight[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
+    rows = out_features(layer) // world
+    blocks = getattr(layer, "blocks", None)
+    if blocks is not None:
+        set_blocks(layer, blocks.rows(rank * rows, (rank + 1) * rows))
+    else:
+        layer.weight = nn.Parameter(layer.weight[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
     if layer.bias is not None:
         layer.bias = nn.Parameter(layer.bias[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
 
 
 def _keep_cols(layer: nn.Linear, rank: int, world: int) -> None:
+    blocks = getattr(layer, "blocks", None)
+    if blocks is not None:
+        cols = blocks.shape[1] // world
+        if cols % blocks.group == 0:
+            set_blocks(layer, blocks.cols(rank * cols, (rank + 1) * cols))
+            return
+        set_blocks(layer, None)  # the shard would cut through blocks: float32
     cols = layer.weight.shape[1] // world
     layer.weight = nn.Parameter(layer.weight[:, rank * cols : (rank + 1) * cols].clone(), requires_grad=False)
 

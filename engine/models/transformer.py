@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.kv_cache import slot_rows
-from engine.models.linear import linear
+from engine.models.gguf_blocks import BlockWeight
+from engine.models.linear import embedding, linear, set_blocks
 
 
 @dataclass(frozen=True)
@@ -197,10 +198,17 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
 
 
 def _concat_linears(*layers: nn.Linear) -> nn.Linear:
-    weight = torch.cat([l.weight for l in layers])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None,
-                      device=weight.device, dtype=weight.dtype)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
+    blocks = [getattr(l, "blocks", None) for l in layers]
+    if any(b is None for b in blocks):  # some parts float32: all float32
+        for layer in layers:
+            set_blocks(layer, None)
+        blocks = None
+    weight = BlockWeight.cat(blocks) if blocks else torch.cat([l.weight for l in layers])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, device="meta")
+    if blocks:
+        set_blocks(fused, weight)
+    else:
+        fused.weight = nn.Parameter(weight, requires_grad=False)
     if layers[0].bias is not None:
         fused.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
     return fused
@@ -311,7 +319,7 @@ class Transformer(nn.Module):
         Returns float32 logits [B, L, V] (L = T when logit_index is None).
         """
         m = self.model
-        x = m.embed_tokens(tokens)
+        x = embedding(tokens, m.embed_tokens)
         if self.args.embed_scale != 1.0:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         ctx = ForwardContext(self.args, cache, slots, positions, x.dtype)

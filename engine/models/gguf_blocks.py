@@ -1,0 +1,222 @@
+"""GGUF weights kept in their own precision, as int8 blocks: W = scale * q + offset.
+
+Every GGUF quantization read here (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) dequantizes, in
+gguf-py (which transformers' GGUF loader runs, and so our float32 cache holds), as
+fl(fl(scale * q) + offset): q a small integer, one float32 (scale, offset) per 16 or 32 weights of
+a row; types without an offset get -0.0, which leaves every float unchanged. So one format holds
+all of them exactly: q as int8, (scale, offset) as float32 pairs, 1.25-1.5 bytes a weight instead
+of 4. The block kernel (csrc/skinny_linear.cpp) and `dequantize` rebuild the very float32 values of
+the dequantized copy, so outputs are bit-identical to the float32 path. Each tensor is checked
+bit for bit against that copy when it is read; one that differs stays float32 (with a log line).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockWeight:
+    q: Tensor  # int8 [N, K]
+    scale_offset: Tensor  # float32 [N, K // group, 2]
+    group: int  # weights per (scale, offset); a power of two >= 16
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale_offset.nbytes
+
+    def dequantize(self, rows: Tensor | None = None) -> Tensor:
+        """float32 weights (of `rows` only, e.g. token ids for an embedding lookup): a multiply,
+        then an add, each rounded, as gguf-py computes them."""
+        q, so = (self.q, self.scale_offset) if rows is None else (self.q[rows], self.scale_offset[rows])
+        grouped = q.unflatten(-1, (-1, self.group)).float()
+        return (so[..., 0:1] * grouped + so[..., 1:2]).flatten(-2)
+
+    def rows(self, start: int, stop: int) -> "BlockWeight":
+        return BlockWeight(self.q[start:stop].clone(), self.scale_offset[start:stop].clone(), self.group)
+
+    def cols(self, start: int, stop: int) -> "BlockWeight":
+        if start % self.group or stop % self.group:
+            raise ValueError(f"columns {start}:{stop} cut through blocks of {self.group}")
+        g = self.group
+        return BlockWeight(self.q[:, start:stop].contiguous(),
+                           self.scale_offset[:, start // g : stop // g].contiguous(), g)
+
+    def regroup(self, group: int) -> "BlockWeight":
+        """The same weights with a (scale, offset) pair every `group` (a divisor of ours)."""
+        repeat = self.group // group
+        return self if repeat == 1 else BlockWeight(self.q, self.scale_offset.repeat_interleave(repeat, dim=1), group)
+
+    @staticmethod
+    def cat(parts: list["BlockWeight"]) -> "BlockWeight":
+        group = min(p.group for p in parts)
+        parts = [p.regroup(group) for p in parts]
+        return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale_offset for p in parts]), group)
+
+
+# --- decoding GGUF blocks into (q, scale, offset), each step as in gguf-py's dequantize_blocks ---
+
+QK_K = 256
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """Low nibbles of each `chunk` bytes, then their high nibbles: [n, bytes] -> [n, 2 * bytes]."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(n, -1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of a little-endian uint32 per block, i < count: [n, 4] -> [n, count] of 0/1."""
+    bits = np.ascontiguousarray(qh).view(np.uint32).reshape(-1, 1) >> np.arange(count, dtype=np.uint32).reshape(1, count)
+    return (bits & np.uint32(1)).astype(np.uint8)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes."""
+    n = scales.shape[0]
+    d, m, m_d = np.split(scales.reshape(n, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1).reshape(n, 8)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1).reshape(n, 8)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+NO_OFFSET = np.float32(-0.0)  # x + -0.0 == x for every float, +0.0 and -0.0 included
+
+
+def _q4_0(b):
+    return _nibbles(b[:, 2:18], 16).astype(np.int8) - np.int8(8), _f16(b[:, 0:2]), None, 32
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:20], 16).astype(np.int8), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 32
+
+
+def _q5_0(b):
+    q = _nibbles(b[:, 6:22], 16) | (_high_bits(b[:, 2:6], 32) << np.uint8(4))
+    return q.astype(np.int8) - np.int8(16), _f16(b[:, 0:2]), None, 32
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:24], 16) | (_high_bits(b[:, 4:8], 32) << np.uint8(4))
+    return q.astype(np.int8), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 32
+
+
+def _q8_0(b):
+    return b[:, 2:34].view(np.int8), _f16(b[:, 0:2]), None, 32
+
+
+def _q4_k(b):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return _nibbles(b[:, 16:144], 32).astype(np.int8), d * sc, -(dmin * mn), 32
+
+
+def _q5_k(b):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    qh = b[:, 16:48].reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    q = _nibbles(b[:, 48:176], 32) | ((qh & np.uint8(1)).reshape(-1, QK_K) << np.uint8(4))
+    return q.astype(np.int8), d * sc, -(dmin * mn), 32
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql = _nibbles(b[:, 0:128], 64)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = (ql | ((qh & np.uint8(3)).reshape(n, QK_K) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return q, _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32), None, 16
+
+
+# type name -> (weights per block, bytes per block, decoder)
+DECODERS = {
+    "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1),
+    "Q8_0": (32, 34, _q8_0), "Q4_K": (QK_K, 144, _q4_k), "Q5_K": (QK_K, 176, _q5_k), "Q6_K": (QK_K, 210, _q6_k),
+}
+
+
+def decode(raw: np.ndarray, type_name: str) -> BlockWeight:
+    """A GGUF tensor's bytes [N, row bytes] as a BlockWeight with N rows, in the file's row order."""
+    per_block, size, decoder = DECODERS[type_name]
+    rows = raw.shape[0]
+    q, scale, offset, group = decoder(np.ascontiguousarray(raw).reshape(-1, size))
+    scale = scale.reshape(rows, -1)
+    offset = np.full_like(scale, NO_OFFSET) if offset is None else offset.reshape(rows, -1)
+    q = q.reshape(rows, -1)
+    assert q.shape[1] == scale.shape[1] * group and q.shape[1] % per_block == 0
+    return BlockWeight(torch.from_numpy(np.ascontiguousarray(q)),
+                       torch.from_numpy(np.stack([scale, offset], axis=-1)), group)
+
+
+# --- which HF tensor a GGUF tensor is ---
+
+_LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.weight"
+    return None
+
+
+def _row_orders(name: str, rows: int, config) -> list[np.ndarray | None]:
+    """The file's row order, then for Llama q/k the interleaved-rotary order transformers undoes."""
+    orders: list[np.ndarray | None] = [None]
+    heads = {"q_proj": config.num_attention_heads,
+             "k_proj": getattr(config, "num_key_value_heads", config.num_attention_heads)}
+    for proj, n_head in heads.items():
+        if f".{proj}." in name and rows % (2 * n_head) == 0:
+            orders.append(np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(2, 1).reshape(rows))
+    return orders
+
+
+def _bits_equal(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def read_block_weights(path: Path, state: dict[str, Tensor], config) -> dict[str, BlockWeight]:
+    """The GGUF file's quantized 2-D tensors as BlockWeights under their HF names, each one
+    bit-identical (dequantized) to its float32 copy in `state`; any other stays float32."""
+    from gguf import GGUFReader
+
+    blocks: dict[str, BlockWeight] = {}
+    kept: list[str] = []
+    for tensor in GGUFReader(str(path)).tensors:
+        name = hf_name(tensor.name)
+        if name is None or name not in state or tensor.tensor_type.name not in DECODERS:
+            continue
+        decoded = decode(np.asarray(tensor.data), tensor.tensor_type.name)
+        for order in _row_orders(name, decoded.shape[0], config):
+            candidate = decoded if order is None else BlockWeight(
+                decoded.q[order].contiguous(), decoded.scale_offset[order].contiguous(), decoded.group)
+            if _bits_equal(candidate.dequantize(), state[name]):
+                blocks[name] = candidate
+                break
+        else:
+            kept.append(name)
+    if kept:
+        logger.warning("%s: %d tensors differ from their dequantized copy and stay float32: %s",
+                       path.name, len(kept), ", ".join(kept[:5]))
+    return blocks

@@ -1,0 +1,182 @@
+"""GGUF weights as int8 blocks (engine/models/gguf_blocks.py, the block kernel in csrc/skinny_linear.cpp):
+exact decoding of every GGUF type we read, a kernel bit-identical to the float32 one, and whole
+models whose outputs equal the float32 path's bit for bit, in about a third of the memory."""
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.gguf_blocks import DECODERS, BlockWeight, decode, read_block_weights
+from engine.models.loading import load_state_dict, resolve_model
+from engine.models.skinny import MAX_ROWS, skinny_kernel_available
+from engine.worker import ModelWorker
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # Q4_1 layers, Q8_0 embedding
+GEMMA3 = "google/gemma-3-270m"  # Q5_0, Q8_0, Q4_K, Q6_K
+
+needs_kernel = pytest.mark.skipif(not skinny_kernel_available(), reason="no AVX-512 or no compiler on this machine")
+
+
+def random_blocks(type_name: str, rows: int, blocks_per_row: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes in `type_name`'s layout, with every float16 field a finite number."""
+    from gguf.quants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[type_name]
+    _, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * blocks_per_row, size), dtype=np.uint8)
+    f16_fields = {"Q6_K": [208]}.get(type_name, [0, 2] if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0])
+    for at in f16_fields:
+        raw[:, at:at + 2] = np.ascontiguousarray(
+            rng.standard_normal(len(raw)).astype(np.float16)).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", sorted(DECODERS))
+def test_every_type_decodes_to_gguf_py_values_bit_for_bit(type_name):
+    from gguf import dequantize
+    from gguf.quants import GGMLQuantizationType
+
+    raw = random_blocks(type_name, rows=6, blocks_per_row=2, rng=np.random.default_rng(7))
+    ours = decode(raw, type_name).dequantize()
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(6, -1).copy())
+    assert ours.shape == reference.shape
+    assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))
+
+
+@pytest.mark.parametrize("model,types", [(SMOLLM2, {"Q4_1", "Q8_0"}), (GEMMA3, {"Q5_0", "Q8_0", "Q4_K", "Q6_K"})])
+def test_every_quantized_tensor_of_the_embedded_models_is_kept_as_blocks(model, types):
+    from gguf import GGUFReader
+
+    source = resolve_model(model)
+    config, state = load_state_dict(source)
+    blocks = read_block_weights(source.path, state, config)
+    quantized = [t for t in GGUFReader(source.path).tensors if t.tensor_type.name in DECODERS]
+    assert {t.tensor_type.name for t in quantized} == types
+    assert len(blocks) == len(quantized)  # none fell back to float32
+    for name, weight in blocks.items():  # checked when read; check the check
+        assert torch.equal(weight.dequantize(), state[name])
+    nbytes = sum(w.nbytes for w in blocks.values())
+    assert nbytes < 0.4 * sum(state[name].nbytes for name in blocks)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [16, 32, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_block_kernel_equals_the_float32_kernel_bit_for_bit(group, with_bias):
+    gen = torch.Generator().manual_seed(group)
+    n, k = 99, 4 * group + 64
+    weight = BlockWeight(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen),
+                         torch.randn(n, k // group, 2, generator=gen), group)
+    dense = weight.dequantize()
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    threads = torch.get_num_threads()
+    try:
+        for t in {1, threads}:
+            torch.set_num_threads(t)
+            for m in (1, 2, 5, 6, 7, MAX_ROWS):
+                x = torch.randn(m, k, generator=gen)
+                out = torch.ops.tandem.block_linear(x, weight.q, weight.scale_offset, group, bias)
+                assert torch.equal(out, torch.ops.tandem.skinny_linear(x, dense, bias)), f"m={m}, threads={t}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_block_kernel_refuses_bad_shapes():
+    q, so = torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 2, 2)
+    with pytest.raises(RuntimeError, match="matching x"):
+        torch.ops.tandem.block_linear(torch.randn(2, 48), q, so, 32, None)
+    with pytest.raises(RuntimeError, match="group"):
+        torch.ops.tandem.block_linear(torch.randn(2, 64), q, so, 24, None)
+    with pytest.raises(RuntimeError, match="scale_offset"):
+        torch.ops.tandem.block_linear(torch.randn(2, 64), q, torch.zeros(8, 4, 2), 32, None)
+
+
+def logits_of_steps(worker: ModelWorker) -> list[torch.Tensor]:
+    """Prefill (the oneDNN path), 1-token decode steps and a 5-token verify step (the kernel)."""
+    model, slots = worker.model, torch.tensor([0])
+    tokens = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(3))
+    out = [model(tokens, torch.arange(40)[None], worker.cache, slots)]
+    for pos in range(40, 43):
+        out.append(model(tokens[:, pos - 40:pos - 39], torch.tensor([[pos]]), worker.cache, slots))
+    out.append(model(tokens[:, :5], torch.arange(43, 48)[None], worker.cache, slots))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("model", [SMOLLM2, GEMMA3])
+def test_a_model_on_blocks_gives_the_float32_logits_bit_for_bit_in_less_memory(model):
+    source = resolve_model(model)
+    on_blocks = ModelWorker(source, 1, 64, torch.float32, gguf_blocks=True)
+    on_float32 = ModelWorker(source, 1, 64, torch.float32, gguf_blocks=False)
+    for got, want in zip(logits_of_steps(on_blocks), logits_of_steps(on_float32)):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+    def weight_bytes(worker):
+        tensors = {id(t): t.nbytes for t in worker.model.parameters()}
+        for module in worker.model.modules():
+            for t in (getattr(module, "packed_weight", None),):
+                if t is not None:
+                    tensors[id(t)] = t.numel() * 4
+            blocks = getattr(module, "blocks", None)
+            if blocks is not None:
+                tensors[id(blocks.q)] = blocks.nbytes
+        return sum(tensors.values())
+    assert weight_bytes(on_blocks) < 0.25 * weight_bytes(on_float32)
+
+
+def greedy_runs(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True)
+    outs = llm.generate(["The capital of France is", "def fib(n):"], params)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+@needs_kernel
+def test_speculative_decoding_on_blocks_equals_float32_token_for_token_and_logprob_for_logprob():
+    """Gemma 3 <- SmolLM2 (TLI), K=3: verify steps of 4 rows, drafts, prefills all on blocks."""
+    spec = {"model": SMOLLM2, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True}
+    runs = [greedy_runs(LLM(model=GEMMA3, max_model_len=256, gguf_weights=w, speculative_config=spec))
+            for w in ("blocks", "float32")]
+    assert runs[0] == runs[1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_shards_of_blocks_equal_the_float32_shards(rank):
+    """Neither embedded model splits over 2 ranks (9 heads; 1 key/value head), so: a random model
+    whose linears are blocks, sharded as rank `rank` of 2 (q/k/v, gate/up by rows, o/down by
+    columns at block boundaries, then fused), against the same weights in float32."""
+    from engine.kv_cache import KVCache
+    from engine.models.linear import pack_linears, use_blocks
+    from engine.models.loading import build_model
+    from engine.models.presets import random_checkpoint
+    from engine.models.tp import shard
+
+    config, _, state = random_checkpoint("tiny-llama", 1)
+    gen = torch.Generator().manual_seed(rank)
+    blocks = {}
+    for name, tensor in state.items():
+        if name.endswith("_proj.weight"):
+            n, k = tensor.shape
+            blocks[name] = BlockWeight(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen),
+                                       torch.rand(n, k // 16, 2, generator=gen) * 0.1, 16)
+            state[name] = blocks[name].dequantize()
+    models = []
+    for with_blocks in (True, False):
+        model = build_model(config, state)
+        if with_blocks:
+            use_blocks(model, blocks)
+        model = shard(model, rank, 2, None)  # no group: each rank's partial sums, compared as they are
+        model.fuse_projections()
+        pack_linears(model)
+        models.append(model)
+    assert models[0].model.layers[0].self_attn.o_proj.blocks.shape == (64, 32)
+    outs = []
+    for model in models:
+        cache = KVCache(model.args.num_layers, 1, 32, 1, model.args.head_dim, torch.float32, "cpu")
+        tokens = torch.randint(0, 48, (1, MAX_ROWS + 4), generator=torch.Generator().manual_seed(0))
+        outs.append([model(tokens, torch.arange(MAX_ROWS + 4)[None], cache, torch.tensor([0])),  # oneDNN
+                     model(tokens[:, :3], torch.arange(MAX_ROWS + 4, MAX_ROWS + 7)[None], cache, torch.tensor([0]))])
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
