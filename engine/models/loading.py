@@ -3,13 +3,26 @@
 A model name is one of:
 - a directory in Hugging Face layout (config.json + *.safetensors + tokenizer files);
 - a `.gguf` file (transformers' GGUF loader dequantizes it; we cache the result as safetensors);
-- a HF id with an embedded copy in a pip package (`EMBEDDED`), used when the HF cache has no copy;
+- a Hugging Face id (org/name), from the HF cache, else downloaded from the Hub, else, for the ids
+  in `EMBEDDED`, a copy shipped in a pip package;
 - `random:<preset>[:<seed>]`, a random-weight model of a preset shape (engine/models/presets.py).
+
+`resolve_model` takes the first that fits, in this order:
+1. `random:<preset>`;
+2. a local `.gguf` file, then a local HF directory: a path on disk wins over an id that spells the same;
+3. the HF cache ($HF_HOME/hub), without the network: a copy there is used as it is, never re-checked
+   against the Hub, so startup costs no request once a model is downloaded;
+4. a download from the Hub ($HF_ENDPOINT, $HF_TOKEN; config, safetensors and tokenizer files only)
+   unless HF_HUB_OFFLINE=1. Embedded ids try it too: the Hub's copy is the real model, the embedded
+   one a quantized stand-in;
+5. the embedded copy: offline, or when the Hub is unreachable or refuses (a log line says why);
+6. otherwise a ValueError that says what was tried.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,6 +33,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.models.presets import random_checkpoint
 from engine.models.transformer import ModelArgs, Transformer
+
+log = logging.getLogger(__name__)
 
 
 def _smollm2_gguf() -> Path:
@@ -55,6 +70,8 @@ class ModelSource:
 
 
 def resolve_model(name: str) -> ModelSource:
+    """The first of: random preset, local .gguf file, local HF directory, HF cache copy, Hub download
+    (when online), embedded copy; see the module docstring."""
     if name.startswith("random:"):
         preset, _, seed = name[len("random:"):].partition(":")
         return ModelSource("random", preset, int(seed or 0))
@@ -63,27 +80,149 @@ def resolve_model(name: str) -> ModelSource:
         return ModelSource("gguf", str(path))
     if path.is_dir() and (path / "config.json").exists():
         return ModelSource("hf_dir", str(path))
+    if not _is_hub_id(name):
+        raise ValueError(
+            f"unknown model {name!r}: not a local HF directory, a .gguf file, a random:<preset>, "
+            f"or a Hugging Face id (org/name; embedded: {', '.join(EMBEDDED)})"
+        )
     local = _hf_cache_copy(name)
     if local is not None:
         return ModelSource("hf_dir", local)
-    if name in EMBEDDED:
+    embedded = name in EMBEDDED
+    if _hub_offline():
+        if embedded:
+            return ModelSource("gguf", str(EMBEDDED[name]()))
+        raise ValueError(
+            f"unknown model {name!r}: not a local path nor in the Hugging Face cache, and HF_HUB_OFFLINE "
+            "forbids downloading it: unset HF_HUB_OFFLINE, or pass a local HF directory or .gguf file"
+        )
+    if embedded and _hub_endpoint() in _UNREACHABLE:  # said once per process already
         return ModelSource("gguf", str(EMBEDDED[name]()))
-    raise ValueError(
-        f"unknown model {name!r}: not a local HF directory, a .gguf file, a random:<preset>, "
-        f"or one of the embedded models ({', '.join(EMBEDDED)})"
-    )
+    try:
+        return ModelSource("hf_dir", _hub_download(name))
+    except _HubError as err:
+        if not embedded:
+            hint = ("; pass a local HF directory or .gguf file, or set HF_HUB_OFFLINE=1 to use local copies only"
+                    if err.unreachable else "")
+            raise ValueError(f"unknown model {name!r}: not a local path nor in the Hugging Face cache, "
+                             f"and {err}{hint}") from None
+        if err.unreachable:
+            _UNREACHABLE.add(_hub_endpoint())
+        log.warning("%s: %s; using its embedded copy%s", name, err,
+                    " (HF_HUB_OFFLINE=1 skips the Hub)" if err.unreachable else "")
+        return ModelSource("gguf", str(EMBEDDED[name]()))
+
+
+# What a download fetches: config, safetensors weights, tokenizer and chat template, top level only
+# (loading reads nothing else). Never *.bin/*.pth/*.gguf/onnx/flax copies of the weights, nor
+# Mistral's consolidated.safetensors, a second copy of the same weights under other names.
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+             "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json"]
+HUB_SKIP = ["*/*", "consolidated*"]
+
+_UNREACHABLE: set[str] = set()  # endpoints an embedded id fell back from (logged): the next ones skip them
+
+
+class _HubError(Exception):
+    """Why a download failed, phrased for users (never with the token in it)."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def _is_hub_id(name: str) -> bool:
+    if name.count("/") != 1:
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub read it at import, or as set since."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return constants.HF_HUB_OFFLINE or value.upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT  # HF_ENDPOINT, read by huggingface_hub at import
+
+
+def _complete(directory: str) -> bool:
+    """A snapshot we can load: a config and safetensors weights (a cache may hold only a config.json)."""
+    return (Path(directory) / "config.json").exists() and any(Path(directory).glob("*.safetensors"))
 
 
 def _hf_cache_copy(name: str) -> str | None:
-    if name.count("/") != 1:
-        return None
     try:
         from huggingface_hub import snapshot_download
 
-        path = snapshot_download(name, local_files_only=True)
+        # the same patterns as the download: the cached file list names files we never fetch
+        path = snapshot_download(name, local_files_only=True, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP)
     except Exception:
         return None
-    return path if (Path(path) / "config.json").exists() else None
+    return path if _complete(path) else None
+
+
+def _hub_download(name: str) -> str:
+    """Downloads `name` into the HF cache (tqdm progress bar and all); _HubError says why it could not.
+    huggingface_hub reads HF_ENDPOINT, HF_TOKEN and HF_HOME itself: we pass none of them."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+
+    try:
+        # snapshot_download's first request has no timeout: this one has (HF_HUB_ETAG_TIMEOUT, 10 s),
+        # so a network that drops packets costs seconds, not minutes
+        HfApi().model_info(name, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        log.info("downloading %s from %s into %s", name, constants.ENDPOINT, constants.HF_HUB_CACHE)
+        path = snapshot_download(name, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP)
+    except Exception as err:
+        raise _hub_error(name, err) from None
+    if not _complete(path):
+        raise _HubError(f"the Hub's {name} has no config.json or *.safetensors weights (Tandem downloads "
+                        "no .bin/.pth/.gguf copies; pass a local .gguf file instead)")
+    return path
+
+
+def _hub_error(name: str, err: Exception) -> _HubError:
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError
+
+    chain = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    endpoint = _hub_endpoint()
+    http = next((e for e in chain if isinstance(e, HfHubHTTPError) and e.response is not None), None)
+    status = http.response.status_code if http is not None else None
+    token = get_token()
+    if status in (401, 403) or any(isinstance(e, GatedRepoError) for e in chain):
+        message = (f"the Hub ({endpoint}) refused access ({status}): {name} is gated or private, or does "
+                   "not exist; set HF_TOKEN to a token that can read it (for a gated model, accept its "
+                   "terms on its Hub page first)" + ("; HF_TOKEN is set but was refused" if token else ""))
+        return _HubError(message)
+    if status == 404:
+        return _HubError(f"the Hub ({endpoint}) has no model {name}"
+                         + (" that HF_TOKEN can see" if token else ""))
+    # no HTTP answer: DNS, refused, timeout, proxy (httpx's TransportError), or offline mode
+    unreachable = any(c.__name__ in ("TransportError", "ConnectionError", "TimeoutError")
+                      for e in chain for c in type(e).__mro__)
+    reason = f"{type(chain[-1]).__name__}: {chain[-1]}"
+    if token:  # no message of ours shows it, whatever a server or a proxy echoed
+        reason = reason.replace(token, "<HF_TOKEN>")
+    if unreachable:
+        return _HubError(f"the Hub ({endpoint}) is unreachable ({reason})", unreachable=True)
+    return _HubError(f"downloading it from the Hub ({endpoint}) failed "
+                     + (f"({status}: {reason})" if status else f"({reason})"))
 
 
 def _file_digest(path: Path) -> str:
