@@ -1,6 +1,6 @@
 """Linear layers on the fastest CPU kernel for the step's row count, chosen per call.
 
-- up to skinny.MAX_ROWS rows (decode and verify steps): our AVX-512 kernel. It reads each weight
+- up to skinny.MAX_ROWS rows (decode and verify steps, short prompts): our AVX-512 kernel. It reads each weight
   line once for all rows, so a verify step of K+1 tokens costs little more than a decode step, and
   a row's result does not depend on the other rows (1-token and K+1-token steps agree bit for bit).
 - more rows (prefill): oneDNN with a pre-packed weight (MKL's sgemm is 2-3x slower here).
@@ -30,7 +30,7 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= MAX_ROWS:
             out = torch.ops.tandem.block_linear(flat.contiguous(), blocks.q, blocks.scale_offset, blocks.group, layer.bias)
-        else:  # the float32 path's own oneDNN call, on this call's dequantized copy
+        else:  # prefill: the float32 path's own oneDNN call, on this call's dequantized copy
             out = torch.ops.mkldnn._linear_pointwise(flat, blocks.dequantize().to_mkldnn(), layer.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
     packed = getattr(layer, "packed_weight", None)

@@ -20,7 +20,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 CFLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp"]  # block_linear: never fuse its multiply-add
-MAX_ROWS = 16  # beyond this oneDNN's blocked GEMM is as fast or faster (benchmarks/decode_step.py)
+# Up to this many rows (decode, verify steps of a batch, short prefills) the kernel runs within ~10% of
+# oneDNN's blocked GEMM (at 17-64 rows) or faster (fewer), with every row independent of the others;
+# beyond, oneDNN. Block weights need it most: oneDNN reads them only dequantized, per call.
+MAX_ROWS = 64
 
 
 def _cpu_has_avx512() -> bool:

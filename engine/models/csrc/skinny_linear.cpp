@@ -1,4 +1,4 @@
-// y = x @ W^T + b for the few rows of a decode or verify step (up to skinny.MAX_ROWS), AVX-512, with W
+// y = x @ W^T + b for the few rows of decode and verify steps (up to skinny.MAX_ROWS), AVX-512, with W
 // either float32 or in int8 blocks (W = scale * q + offset, one (scale, offset) per `group` weights
 // of a row: the exact form of every GGUF quantization we read, see gguf_blocks.py).
 //
