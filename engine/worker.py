@@ -16,7 +16,7 @@ from torch import Tensor
 from engine.kv_cache import KVCache
 from engine.models.gguf_blocks import read_block_weights
 from engine.models.linear import pack_linears, use_blocks
-from engine.models.loading import ModelSource, build_model, load_state_dict
+from engine.models.loading import ModelSource, build_model, load_sharded, load_state_dict
 from engine.models.skinny import skinny_kernel_available
 from engine.models.tp import shard
 
@@ -36,15 +36,20 @@ class ModelWorker:
     def __init__(self, source: ModelSource, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: str = "cpu", rng_stream: str = "target", pack: bool = True,
                  rank: int = 0, world: int = 1, group=None, gguf_blocks: bool = True):
-        config, state = load_state_dict(source)
-        model = build_model(config, state, dtype=dtype, device=device)
-        if gguf_blocks and pack and source.kind == "gguf" and device == "cpu" and dtype == torch.float32 \
-                and skinny_kernel_available():
-            # the file's own int8 blocks instead of float32 (bit-identical outputs, ~1/3 the bytes)
-            nbytes = use_blocks(model, read_block_weights(Path(source.path), state, config))
-            logger.info("%s: quantized weights kept as int8 blocks (%.0f MB)", Path(source.path).name, nbytes / 2**20)
-        del state
-        self.model = shard(model, rank, world, group)
+        if source.kind == "hf_dir":  # each rank reads only its slices
+            config, model = load_sharded(source, dtype, device, rank, world)
+            self.model = shard(model, rank, world, group, sliced=True)
+        else:
+            config, state = load_state_dict(source)
+            model = build_model(config, state, dtype=dtype, device=device)
+            if gguf_blocks and pack and source.kind == "gguf" and device == "cpu" and dtype == torch.float32 \
+                    and skinny_kernel_available():
+                # the file's own int8 blocks instead of float32 (bit-identical outputs, ~1/3 the bytes)
+                nbytes = use_blocks(model, read_block_weights(Path(source.path), state, config))
+                logger.info("%s: quantized weights kept as int8 blocks (%.0f MB)", Path(source.path).name,
+                            nbytes / 2**20)
+            del state
+            self.model = shard(model, rank, world, group)
         if pack:
             self.model.fuse_projections()
             if device == "cpu" and dtype == torch.float32:

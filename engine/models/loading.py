@@ -306,17 +306,65 @@ def load_tokenizer(source: ModelSource, name_override: str | None = None):
     return tokenizer
 
 
+def _text_config(directory: Path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    if hasattr(config, "text_config") and config.model_type == "gemma3":
+        config = config.text_config  # multimodal checkpoint: the causal LM inside it
+    return config
+
+
+def load_sharded(source: ModelSource, dtype: torch.dtype, device: str, rank: int = 0,
+                 world: int = 1) -> tuple[object, Transformer]:
+    """An HF directory's model as rank `rank` of `world` holds it: built on the meta device, each
+    parameter read as this rank's slice only (tp.split_of), converted from the checkpoint's dtype
+    to `dtype` one tensor at a time, then placed on `device`. Peak memory: the shard plus one slice.
+    Call tp.shard(model, rank, world, group, sliced=True) next."""
+    from engine.models.checkpoint import Checkpoint
+    from engine.models.tp import check_shardable, split_of
+
+    directory = Path(source.path)
+    config = _text_config(directory)
+    args = ModelArgs.from_hf_config(config)
+    check_shardable(args, world)
+    checkpoint = Checkpoint(directory)
+    # multimodal checkpoints nest the text model; keep only what a causal LM needs
+    names = {k.replace("language_model.", ""): k for k in checkpoint.entries if "vision" not in k}
+    with torch.device("meta"):  # no throwaway random init, no whole model before slicing
+        model = Transformer(args)
+    params = dict(model.named_parameters())  # a tied LM head is the embedding's, listed once
+    missing = [n for n in params if n not in names]
+    unexpected = [n for n in names if n not in params and not (args.tie_word_embeddings and n == "lm_head.weight")
+                  and "multi_modal_projector" not in n]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name in params:
+        shape, split = checkpoint.shape(names[name]), split_of(name) if world > 1 else None
+        if split == "rows":
+            n = shape[0] // world
+            tensor = checkpoint.read(names[name], rows=(rank * n, (rank + 1) * n))
+        elif split == "cols":
+            n = shape[1] // world
+            tensor = checkpoint.read(names[name], cols=(rank * n, (rank + 1) * n))
+        else:
+            tensor = checkpoint.read(names[name])
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr,
+                torch.nn.Parameter(tensor.to(dtype=dtype, device=device), requires_grad=False))
+        del tensor
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return config, model.eval()
+
+
 def load_state_dict(source: ModelSource) -> tuple[object, dict[str, torch.Tensor]]:
     """(HF config, float32 state dict with HF names)."""
     if source.kind == "random":
         config, _, state = random_checkpoint(source.path, source.seed)
         return config, state
     directory = _dequantized_dir(Path(source.path)) if source.kind == "gguf" else Path(source.path)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(directory)
-    if hasattr(config, "text_config") and config.model_type == "gemma3":
-        config = config.text_config
+    config = _text_config(directory)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
         state.update(load_file(file))

@@ -47,17 +47,33 @@ def check_shardable(args, world: int) -> None:
             raise ValueError(f"tensor_parallel_size {world} does not divide the model's {what} ({n})")
 
 
-def shard(model: Transformer, rank: int, world: int, group) -> Transformer:
-    """Keep rank's shard of every layer in place; layers then all-reduce over `group`."""
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by input columns
+
+
+def split_of(name: str) -> str | None:
+    """How a parameter (HF name) is split across ranks: "rows", "cols" or None (replicated)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in COLUMN_PARALLEL:
+        return "rows"  # weight and bias alike
+    if len(parts) >= 2 and parts[-2] in ROW_PARALLEL and parts[-1] == "weight":
+        return "cols"
+    return None
+
+
+def shard(model: Transformer, rank: int, world: int, group, sliced: bool = False) -> Transformer:
+    """Keep rank's shard of every layer in place; layers then all-reduce over `group`.
+    sliced: the weights were loaded as this rank's slices already (loading.load_model)."""
     check_shardable(model.args, world)
     if world == 1:
         return model
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _keep_rows(proj, rank, world)
-        _keep_cols(attn.o_proj, rank, world)
-        _keep_cols(mlp.down_proj, rank, world)
+        if not sliced:
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                _keep_rows(proj, rank, world)
+            _keep_cols(attn.o_proj, rank, world)
+            _keep_cols(mlp.down_proj, rank, world)
         attn.num_heads //= world
         attn.num_kv_heads //= world
         attn.tp_group = mlp.tp_group = group
