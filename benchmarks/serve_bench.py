@@ -3,6 +3,10 @@ and the same prompts through an in-process engine, in alternating batches of one
 
     .venv/bin/python benchmarks/serve_bench.py [--num-requests 8] [--concurrency 1 4] [--max-tokens 64]
     .venv/bin/python benchmarks/serve_bench.py --url http://127.0.0.1:8000   # an already running server
+    .venv/bin/python benchmarks/serve_bench.py --vs-plain --concurrency 1 4 8
+
+--vs-plain: the default application against the same application without speculation (a second
+Serve app at /plain), both over HTTP, taking turns; reports each one's output tokens/s and the ratio.
 
 Without --url it starts the application of serve_config.yaml in this process's Ray cluster on a
 free port. Reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request and
@@ -78,13 +82,14 @@ async def measure(streams, concurrency: int) -> dict:
     return {"records": list(records), "wall": time.perf_counter() - start}
 
 
-async def http_run(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+async def http_run(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                   prefix: str = "") -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         def stream(prompt):
             async def events():
                 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async with client.stream("POST", f"{url}{prefix}/v1/completions", json=body) as r:
                     async for line in r.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
@@ -150,6 +155,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2,
                     help="HTTP and in-process batches alternate this many times per concurrency")
+    ap.add_argument("--vs-plain", action="store_true",
+                    help="compare the default app with itself without speculation, instead of HTTP with in-process")
     args = ap.parse_args()
     app_args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
     model = app_args["model"]
@@ -170,29 +177,39 @@ def main() -> None:
 
         serve.run(build_app(app_args), name="tandem", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        engine = AsyncEngine(parse_args(app_args).engine_config(), use_ray=True)
-        asyncio.run(engine_run(engine, prompts[:1], 1, 8))  # warm-up
+        if args.vs_plain:
+            plain_args = {k: v for k, v in app_args.items() if k != "speculative_config"}
+            serve.run(build_app({**plain_args, "grpc_port": None}), name="plain", route_prefix="/plain")
+        else:
+            engine = AsyncEngine(parse_args(app_args).engine_config(), use_ray=True)
+            asyncio.run(engine_run(engine, prompts[:1], 1, 8))  # warm-up
     asyncio.run(http_run(url, model, prompts[:1], 1, 8))  # warm-up
+    second = "plain" if args.vs_plain else "engine"
+    if args.vs_plain:
+        asyncio.run(http_run(url, model, prompts[:1], 1, 8, "/plain"))
 
-    results = {"http": {}, "engine": {}}
+    results = {"http": {}, second: {}}
     for c in args.concurrency:
-        runs = {"http": [], "engine": []}
+        runs = {"http": [], second: []}
         for r in range(args.rounds):
-            order = ["http", "engine"] if r % 2 == 0 else ["engine", "http"]
+            order = ["http", second] if r % 2 == 0 else [second, "http"]
             for path in order:
                 if path == "http":
                     runs[path].append(asyncio.run(http_run(url, model, prompts, c, args.max_tokens)))
+                elif path == "plain":
+                    runs[path].append(asyncio.run(http_run(url, model, prompts, c, args.max_tokens, "/plain")))
                 elif engine is not None:
                     runs[path].append(asyncio.run(engine_run(engine, prompts, c, args.max_tokens)))
         for path, batches in runs.items():
             if batches:
                 results[path][c] = summarize([rec for b in batches for rec in b["records"]],
                                              sum(b["wall"] for b in batches))
-        if runs["engine"]:
+        if runs.get("engine"):
             results.setdefault("paired", {})[c] = paired(runs["http"], runs["engine"])
     results["acceptance"] = acceptance(url)
     if engine is not None:
         engine.shutdown()
+    if args.url is None:
         serve.shutdown()
 
     print(f"{args.num_requests} requests x {args.max_tokens} tokens x {args.rounds} rounds, greedy; model {model}; "
@@ -201,19 +218,24 @@ def main() -> None:
     print(f"{'path':<8}{'C':>3}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}"
           f"{'req/s':>7}{'tok/s':>7}")
     for path, by_c in results.items():
-        if path in ("acceptance", "paired"):
+        if path in ("acceptance", "paired", "speculative_over_plain"):
             continue
         for c, r in by_c.items():
             print(f"{path:<8}{c:>3}{r['ttft_ms']['p50']:>10.1f}{r['ttft_ms']['p99']:>10.1f}{r['tpot_ms']['p50']:>10.1f}"
                   f"{r['itl_ms'].get('p50', 0):>9.1f}{r['e2e_ms']['p50']:>10.1f}{r['request_throughput']:>7.2f}"
                   f"{r['output_throughput']:>7.1f}")
-    if results["engine"]:
+    if args.vs_plain:
+        ratios = {c: results["http"][c]["output_throughput"] / results["plain"][c]["output_throughput"]
+                  for c in args.concurrency}
+        results["speculative_over_plain"] = ratios
+        print("default app / plain, output tokens/s: " + ", ".join(f"C={c} {r:.2f}x" for c, r in ratios.items()))
+    elif results["engine"]:
         h, e = results["http"][args.concurrency[0]], results["engine"][args.concurrency[0]]
         p = results["paired"][args.concurrency[0]]
         print(f"at concurrency {args.concurrency[0]}: TPOT http/in-process {h['tpot_ms']['p50'] / e['tpot_ms']['p50']:.2f}x, "
               f"TTFT overhead p50 {h['ttft_ms']['p50'] - e['ttft_ms']['p50']:+.1f} ms; paired by request: "
               f"TPOT {p['tpot_ratio']:.2f}x, TTFT {p['ttft_overhead_ms']:+.1f} ms (medians)")
-    out = ROOT / "benchmarks" / "results" / "serve_bench.json"
+    out = ROOT / "benchmarks" / "results" / ("serve_bench_vs_plain.json" if args.vs_plain else "serve_bench.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str))
 

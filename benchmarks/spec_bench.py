@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine import SamplingParams
-from engine.adaptive import CostModel, expected_tokens
+from engine.adaptive import BatchCosts, expected_tokens
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.verifier import Verifier
@@ -44,7 +44,7 @@ class SpecState:
 
     def __init__(self, core: EngineCore, spec: SpeculativeConfig | None):
         self.spec = spec
-        self.costs = CostModel(spec.num_speculative_tokens) if spec else None
+        self.costs = BatchCosts(spec.num_speculative_tokens) if spec else None
         self.stats = type(core.scheduler.stats)()
         self.acceptance = type(core.scheduler.acceptance)(decay=core.scheduler.acceptance.decay)
         self.verifier = Verifier(core.executor.target.worker, spec)

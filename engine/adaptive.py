@@ -90,6 +90,23 @@ class CostModel:
         return median(self.draft_s) / base, v
 
 
+class BatchCosts:
+    """A CostModel per batch size (powers of two: 1, 2-3, 4-7, ...): on CPU a verify of B rows x K+1
+    tokens costs far more, against a plain step of B rows, than at B = 1 (the weights are read
+    once, the arithmetic grows with the rows), so the K that pays at batch 1 can lose at batch 8.
+    A batch size not yet seen measures its own costs first (a plain step, then a full draft)."""
+
+    def __init__(self, k_max: int, parallel: bool = False):
+        self.k_max, self.parallel = k_max, parallel
+        self.by_bucket: dict[int, CostModel] = {}
+
+    def for_batch(self, rows: int) -> CostModel:
+        bucket = 1 << (max(1, rows).bit_length() - 1)
+        if bucket not in self.by_bucket:
+            self.by_bucket[bucket] = CostModel(self.k_max, parallel=self.parallel)
+        return self.by_bucket[bucket]
+
+
 @dataclass
 class AcceptanceEstimate:
     """Per request: the probability a draft token is accepted given the ones before it were (the a

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from engine.adaptive import AcceptanceEstimate, AheadPolicy, CostModel, adaptive_k
+from engine.adaptive import AcceptanceEstimate, AheadPolicy, BatchCosts, adaptive_k
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
 from engine.metrics import EngineCounters, SpecDecodeStats
@@ -73,7 +73,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SpecDecodeStats()
         self.counters = EngineCounters()
-        self.costs = CostModel(self.spec.num_speculative_tokens, parallel=self.spec.parallel_drafting) \
+        self.costs = BatchCosts(self.spec.num_speculative_tokens, parallel=self.spec.parallel_drafting) \
             if self.spec else None
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
         self._seeds = itertools.count(config.seed * 1_000_003)
@@ -176,7 +176,7 @@ class Scheduler:
         for seq in rows:
             seq.ahead = None  # used now or never: the draft cache moves on either way
         self.ahead_used += sum(1 for blk in blocks if blk)
-        ks = [len(blk) if blk else self._num_drafts(seq) for seq, blk in zip(rows, blocks)]
+        ks = [len(blk) if blk else self._num_drafts(seq, len(rows)) for seq, blk in zip(rows, blocks)]
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
             slots=[s.slot for s in rows],
@@ -244,7 +244,7 @@ class Scheduler:
                 self._release(seq)
         elapsed = time.perf_counter() - start
         if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
-            self.costs.observe(max(ks), result.draft_elapsed_s, result.elapsed_s, elapsed)
+            self.costs.for_batch(len(ks)).observe(max(ks), result.draft_elapsed_s, result.elapsed_s, elapsed)
         if self.spec is not None and self.spec.draft_ahead:
             self.ahead_policy.observe(ahead_on, sum(len(t) for t in result.tokens), elapsed)
         return rows
@@ -385,12 +385,12 @@ class Scheduler:
             room = min(room, seq.params.max_tokens - len(seq.output_ids))
         return room
 
-    def _num_drafts(self, seq: Sequence) -> int:
+    def _num_drafts(self, seq: Sequence, batch: int) -> int:
         if self.spec is None:
             return 0
         k = self.spec.num_speculative_tokens
         if self.spec.adaptive:
-            k = adaptive_k(seq.acceptance, self.costs, k)
+            k = adaptive_k(seq.acceptance, self.costs.for_batch(batch), k)
         # with another tokenizer the draft may need more tokens than the target for the same text
         # (Thai: ~6x): past max_model_len of its own tokens it stops drafting, its cache would overflow
         if seq.draft_cached < 0 or len(seq.draft_ids) + k > self.max_model_len:

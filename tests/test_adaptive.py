@@ -1,6 +1,6 @@
 """Adaptive speculation: K per request per step, within num_speculative_tokens, 0 when drafts fail."""
 from engine import LLM, SamplingParams
-from engine.adaptive import AcceptanceEstimate, CostModel, adaptive_k, choose_k, expected_tokens
+from engine.adaptive import AcceptanceEstimate, BatchCosts, CostModel, adaptive_k, choose_k, expected_tokens
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 
@@ -31,6 +31,21 @@ def test_cost_model_interpolates_unmeasured_sizes():
     assert abs(v[2] - 1.2) < 1e-9  # halfway between the measured sizes
 
 
+def test_costs_are_kept_per_batch_size_and_k_follows_them():
+    """Verify cost grows with the batch on a CPU: K that pays alone can lose at batch 8."""
+    costs, estimate = BatchCosts(k_max=3), AcceptanceEstimate(accepted=7.0, trials=10.0)  # a = 0.7
+    assert costs.for_batch(5) is costs.for_batch(4) is costs.for_batch(7)
+    assert costs.for_batch(8) is not costs.for_batch(4) and costs.for_batch(0) is costs.for_batch(1)
+    alone, batch = costs.for_batch(1), costs.for_batch(8)
+    alone.observe(0, 0.0, 0.100)
+    alone.observe(3, 0.030, 0.110)  # K+1 tokens cost little more than one: speculate
+    batch.observe(0, 0.0, 0.200)
+    batch.observe(3, 0.240, 0.600)  # 8 x 4 rows: verify 3x a plain step, drafts 1.2x
+    assert adaptive_k(estimate, alone, 3) >= 2
+    assert adaptive_k(estimate, batch, 3) == 0
+    assert adaptive_k(estimate, costs.for_batch(2), 3) == 0  # not measured at 2-3 rows: a plain step first
+
+
 def test_unmeasured_engine_measures_plain_then_full_k():
     costs, estimate = CostModel(k_max=3), AcceptanceEstimate()
     assert adaptive_k(estimate, costs, 3) == 0
@@ -58,8 +73,8 @@ def test_adaptive_reaches_zero_when_acceptance_is_zero():
 def test_adaptive_respects_the_maximum():
     llm = synthetic_llm(1.0, k=2)
     # make drafting look free, so the policy wants as many drafts as it may take
-    llm.scheduler.costs.observe(0, 0.0, 1.0)
-    llm.scheduler.costs.observe(2, 1e-6, 1.0)
+    llm.scheduler.costs.for_batch(1).observe(0, 0.0, 1.0)
+    llm.scheduler.costs.for_batch(1).observe(2, 1e-6, 1.0)
     out = llm.generate("hello", SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=0))[0]
     stats = out.spec_decode_stats
     assert len(stats.num_accepted_tokens_per_pos) == 2  # the maximum was used, never a third draft
