@@ -77,6 +77,7 @@ def test_block_kernel_equals_the_float32_kernel_bit_for_bit(group, with_bias):
                 x = torch.randn(m, k, generator=gen)
                 out = torch.ops.tandem.block_linear(x, weight.q, weight.scale_offset, group, bias)
                 assert torch.equal(out, torch.ops.tandem.skinny_linear(x, dense, bias)), f"m={m}, threads={t}"
+            assert torch.equal(torch.ops.tandem.block_dequantize(weight.q, weight.scale_offset, group), dense)
     finally:
         torch.set_num_threads(threads)
 

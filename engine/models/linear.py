@@ -31,7 +31,8 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
         if flat.shape[0] <= MAX_ROWS:
             out = torch.ops.tandem.block_linear(flat.contiguous(), blocks.q, blocks.scale_offset, blocks.group, layer.bias)
         else:  # prefill: the float32 path's own oneDNN call, on this call's dequantized copy
-            out = torch.ops.mkldnn._linear_pointwise(flat, blocks.dequantize().to_mkldnn(), layer.bias, "none", [], "")
+            weight = torch.ops.tandem.block_dequantize(blocks.q, blocks.scale_offset, blocks.group)
+            out = torch.ops.mkldnn._linear_pointwise(flat, weight, layer.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
     packed = getattr(layer, "packed_weight", None)
     if packed is None:

@@ -54,7 +54,14 @@ struct F32Rows {
   void prefetch_next(int j, int64_t c) const { _mm_prefetch((const char*)(rows[j] + NR * k + c * LANES), _MM_HINT_T0); }
 };
 
-// Weight rows as int8 blocks: 16 int8 widened to float32, times the group's scale, plus its offset.
+// 16 weights of an int8 block: q widened to float32, times the group's scale, plus its offset (two
+// roundings, as gguf-py dequantizes; -ffp-contract=off keeps the compiler from fusing them).
+inline __m512 expand16(const int8_t* q, float scale, float offset) {
+  const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+  return _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(scale), qf), _mm512_set1_ps(offset));
+}
+
+// Weight rows as int8 blocks.
 struct Int8Rows {
   // A block's int8 rows are short streams (a quarter of float32's bytes), which the hardware
   // prefetcher picks up late: fetch the next block's lines at every row count.
@@ -63,9 +70,8 @@ struct Int8Rows {
   const float* scale_offset[NR];  // [K / group, 2] per row
   int64_t k, group_shift;          // group = 1 << group_shift weights per (scale, offset)
   __m512 load(int j, int64_t c) const {
-    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(rows[j] + c * LANES))));
     const float* so = scale_offset[j] + 2 * ((c * LANES) >> group_shift);
-    return _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(so[0]), q), _mm512_set1_ps(so[1]));
+    return expand16(rows[j] + c * LANES, so[0], so[1]);
   }
   __m512 load_tail(int j, int64_t c, __mmask16) const { return load(j, c); }  // K is a multiple of the group
   void prefetch_next(int j, int64_t c) const {
@@ -196,14 +202,40 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   });
 }
 
+// The float32 weights of int8 blocks (prefill: oneDNN reads them for one call), the same values
+// the kernel expands in registers.
+at::Tensor block_dequantize(const at::Tensor& q, const at::Tensor& scale_offset, int64_t group) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "block_dequantize: q must be int8 [N, K]");
+  TORCH_CHECK(group >= LANES && (group & (group - 1)) == 0 && q.size(1) % group == 0,
+              "block_dequantize: group must be a power of two >= 16 dividing K");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(scale_offset.scalar_type() == at::kFloat && scale_offset.is_contiguous() &&
+                  scale_offset.numel() == n * (k / group) * 2,
+              "block_dequantize: scale_offset must be a contiguous float32 [N, K / group, 2] tensor");
+  at::Tensor w = at::empty({n, k}, scale_offset.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale_offset.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t c = 0; c < k; c += LANES) {
+        const float* so = sp + row * (k / group) * 2 + 2 * (c / group);
+        _mm512_storeu_ps(wp + row * k + c, expand16(qp + row * k + c, so[0], so[1]));
+      }
+  });
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, lib) {
   lib.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   lib.def("block_linear(Tensor x, Tensor q, Tensor scale_offset, int group, Tensor? bias) -> Tensor");
+  lib.def("block_dequantize(Tensor q, Tensor scale_offset, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, lib) {
   lib.impl("skinny_linear", skinny_linear);
   lib.impl("block_linear", block_linear);
+  lib.impl("block_dequantize", block_dequantize);
 }
