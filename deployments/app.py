@@ -42,7 +42,8 @@ class ServeArgs(BaseModel):
     grpc_share_port: bool = False
     max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)  # larger bodies: 413
     max_queued_requests: int = Field(default=64, ge=0)
-    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)  # accepted for vLLM parity
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # EngineConfig's: KV cache share of a GPU
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)  # EngineConfig's: KV cache bytes per device
     # Custom Ray resources each coordinator replica requires, e.g. {"tandem_coordinator": 1} with the
     # head node started with that resource: the replicas (and so their gRPC servers) stay on the
     # node the gRPC Service reaches; their model groups are placed anywhere.
@@ -63,6 +64,8 @@ class ServeArgs(BaseModel):
                             max_num_seqs=self.max_num_seqs, seed=self.seed, device=self.device,
                             distributed_executor_backend="ray", placement_strategy=self.placement_strategy,
                             disjoint_cores=self.disjoint_cores, gguf_weights=self.gguf_weights,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             speculative_config=self.speculative_config)
 
     @property

@@ -33,7 +33,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-weights", default=None, choices=["blocks", "float32"],
                    help="CPU, GGUF models: the file's int8 blocks (default) or dequantized float32 copies")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="accepted for vLLM compatibility (KV caches are sized by max-num-seqs x max-model-len)")
+                   help="share of each GPU for weights and KV cache (default 0.9); the KV cache gets what is left")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache bytes per device (on CPU the only budget; unset: max-num-seqs slots)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 and gRPC (visible in ps: prefer "

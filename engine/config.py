@@ -46,6 +46,13 @@ class SpeculativeConfig(BaseModel):
     # groups run on their own devices (GPUs, or disjoint cores: EngineConfig.disjoint_cores); on
     # shared cores the two forwards slow each other and the engine falls back to sequential steps.
     draft_ahead: bool = False
+    # Tandem's extension: where the draft group runs. "separate": actors of its own, one device per
+    # rank (extra devices; what draft_ahead overlaps). "colocated": each draft rank inside a target
+    # rank's actor, on its device, sharing its torch.distributed group (as vLLM runs a draft;
+    # draft_tensor_parallel_size 1 puts the whole draft on the target's rank 0). "auto" (default):
+    # colocated on GPUs, so one GPU can speculate; separate on CPU, where both share the cores
+    # either way and separate actors let draft_ahead overlap them on disjoint cores.
+    draft_placement: Literal["auto", "separate", "colocated"] = "auto"
 
     @model_validator(mode="before")
     @classmethod
@@ -102,6 +109,9 @@ class SpeculativeConfig(BaseModel):
         if length is not None and not 1.0 <= length <= k + 1:
             raise ValueError(f"speculative_config: 'synthetic_acceptance_length' must lie in [1, {k + 1}] "
                              f"(1 to num_speculative_tokens + 1), got {length}")
+        if self.draft_ahead and self.draft_placement == "colocated":
+            raise ValueError("speculative_config: 'draft_ahead' overlaps the draft group with the target's, which "
+                             "needs draft_placement 'separate' (a colocated draft shares the target's actor)")
         if self.use_heterogeneous_vocab and self.method != "draft_model":
             raise ValueError("speculative_config: 'use_heterogeneous_vocab' is only supported with "
                              "method 'draft_model'")
@@ -150,6 +160,12 @@ class EngineConfig(BaseModel):
     # blocks, read by our kernel: outputs bit-identical to "float32" (their dequantized copies), in
     # about a third of the memory and faster decode steps. "float32" is there to check that claim.
     gguf_weights: Literal["blocks", "float32"] = "blocks"
+    # KV cache sizing (engine/memory.py): after the weights load, each GPU's caches get this share
+    # of the device less what is in use; kv_cache_memory_bytes, when set, is the byte budget per
+    # device instead (the CPU's only budget: unset there, max_num_seqs slots are allocated).
+    # Fewer slots than max_num_seqs fit: max_num_seqs is lowered, with a log line; none: an error.
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
     speculative_config: SpeculativeConfig | None = None
 
     @field_validator("speculative_config", mode="before")
@@ -166,6 +182,15 @@ class EngineConfig(BaseModel):
                 f"speculative_config: 'draft_tensor_parallel_size' must be 1 or the target's "
                 f"tensor_parallel_size ({self.tensor_parallel_size}), got {spec.draft_tensor_parallel_size}")
         return self
+
+    def colocated_draft(self) -> bool:
+        """Whether the draft ranks live in the target ranks' actors (draft_placement, resolved)."""
+        spec = self.speculative_config
+        if spec is None or spec.draft_placement == "separate":
+            return False
+        if spec.draft_placement == "colocated":
+            return True
+        return self.resolved_device() == "cuda" and not spec.draft_ahead
 
     @property
     def draft_tensor_parallel_size(self) -> int:

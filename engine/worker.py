@@ -33,7 +33,7 @@ def _return_freed_memory() -> None:
 
 
 class ModelWorker:
-    def __init__(self, source: ModelSource, num_slots: int, max_len: int, dtype: torch.dtype,
+    def __init__(self, source: ModelSource, num_slots: int | None, max_len: int, dtype: torch.dtype,
                  device: str = "cpu", rng_stream: str = "target", pack: bool = True,
                  rank: int = 0, world: int = 1, group=None, gguf_blocks: bool = True):
         if source.kind == "hf_dir":  # each rank reads only its slices
@@ -57,12 +57,32 @@ class ModelWorker:
         _return_freed_memory()
         self.args = self.model.args
         self.hf_config = config
-        self.device = device
-        local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's share
-        self.cache = KVCache(self.args.num_layers, num_slots, max_len, local_kv_heads,
-                             self.args.head_dim, dtype, device)
+        self.device, self.dtype, self.max_len = device, dtype, max_len
+        self.cache = None
+        if num_slots is not None:  # else allocate_cache, once the engine knows how many fit
+            self.allocate_cache(num_slots)
         self.rng_stream = rng_stream  # target and draft draw from independent streams
         self.generators: dict[str, torch.Generator] = {}
+
+    def slot_bytes(self) -> int:
+        """One sequence's KV cache on this rank: keys and values of every layer, max_len tokens."""
+        local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's share
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.args.num_layers * local_kv_heads * self.max_len * self.args.head_dim * itemsize
+
+    def weight_bytes(self) -> int:
+        tensors = {id(p): p.numel() * p.element_size() for p in self.model.parameters()}
+        for module in self.model.modules():
+            blocks = getattr(module, "blocks", None)
+            if blocks is not None:
+                tensors[id(blocks.q)] = blocks.nbytes
+        return sum(tensors.values())
+
+    def allocate_cache(self, num_slots: int) -> None:
+        self.cache = None  # the old one first: a restart may replace it
+        local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        self.cache = KVCache(self.args.num_layers, num_slots, self.max_len, local_kv_heads,
+                             self.args.head_dim, self.dtype, self.device)
 
     @property
     def vocab_size(self) -> int:
