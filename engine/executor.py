@@ -3,7 +3,9 @@
 A model group is `tp` GroupRanks, one per device, all running the same forward on their shard.
 LocalExecutor keeps one rank per group in this process. RayExecutor makes each rank a Ray actor in a
 placement group, joins each group's ranks in its own torch.distributed group (gloo on CPU, NCCL on
-CUDA), sends every call to every rank and reads rank 0. The draft group's result goes to the
+CUDA), sends every call to every rank and reads rank 0. With a colocated draft
+(draft_placement), each target actor also holds a draft rank (ColocatedRanks), on the same device
+and in the same torch.distributed group. The draft group's result goes to the
 target group as an ObjectRef, so Ray moves it without the coordinator touching it, and sampling
 happens inside the target group: full logits never leave it.
 """
@@ -18,6 +20,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ExecutorError, StepError
+from engine.memory import DeviceMemory, device_budget, plan_slots
 from engine.models.loading import resolve_model
 from engine.proposer import DraftModelProposer
 from engine.step import AheadBatch, DraftBatch, DraftOutput, VerifyBatch, VerifyOutput
@@ -33,15 +36,17 @@ class GroupRank:
 
     def __init__(self, role: str, config: EngineConfig, cache_len: int, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None, rank: int = 0, world: int = 1,
-                 dist_address: str | None = None, threads: int | None = None, cores: list[int] | None = None):
+                 dist_address: str | None = None, threads: int | None = None, cores: list[int] | None = None,
+                 group=None):
+        """group: a torch.distributed group this process has joined already (a colocated draft
+        shares its target's); else one is made at dist_address when world > 1."""
         if cores:  # this rank's own cores (disjoint_cores): as if it had a device to itself
             os.sched_setaffinity(0, cores)
             threads = len(cores)
         if threads:
             torch.set_num_threads(threads)
         device = config.resolved_device()
-        group = None
-        if world > 1:
+        if world > 1 and group is None:
             if device == "cuda":
                 torch.cuda.set_device(0)  # Ray gives each rank actor one visible GPU
             torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo",
@@ -49,10 +54,10 @@ class GroupRank:
             group = torch.distributed.group.WORLD
         spec = config.speculative_config
         name = config.model if role == "target" else spec.model
-        self.worker = ModelWorker(resolve_model(name), config.max_num_seqs, cache_len, config.torch_dtype(),
+        self.worker = ModelWorker(resolve_model(name), None, cache_len, config.torch_dtype(),
                                   device, rng_stream=role, rank=rank, world=world, group=group,
                                   gguf_blocks=config.gguf_weights == "blocks")
-        self.rank = rank
+        self.rank, self.group, self.config = rank, group, config
         if role == "draft":
             self.proposer = DraftModelProposer(self.worker, spec, target_vocab, vocab_mapping)
         else:
@@ -60,6 +65,20 @@ class GroupRank:
 
     def ready(self) -> bool:
         return True
+
+    def _workers(self) -> list[ModelWorker]:
+        return [self.worker]
+
+    def memory(self) -> DeviceMemory:
+        """What a KV cache slot costs on this rank's device (every model on it) and what it may spend."""
+        workers, config = self._workers(), self.config
+        budget, where = device_budget(config.resolved_device(), config.gpu_memory_utilization,
+                                      config.kv_cache_memory_bytes)
+        return DeviceMemory(sum(w.slot_bytes() for w in workers), budget, sum(w.weight_bytes() for w in workers), where)
+
+    def allocate(self, num_slots: int) -> None:
+        for worker in self._workers():
+            worker.allocate_cache(num_slots)
 
     def add_request(self, request_id: str, seed: int) -> None:
         self.worker.add_request(request_id, seed)
@@ -105,6 +124,56 @@ class GroupRank:
         return out if self.rank == 0 else None
 
 
+class ColocatedRanks(GroupRank):
+    """A target rank with a draft rank in the same actor, on its device (draft_placement colocated).
+    The draft shares the target's torch.distributed group when it has as many ranks; with one rank
+    it lives in the target's rank 0 only. Its calls are the target's with a `draft_` prefix; calls
+    to one actor run in the order they were sent, so every rank sees the same collective order."""
+
+    def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
+                 vocab_mapping: VocabMapping | None = None, rank: int = 0, world: int = 1,
+                 dist_address: str | None = None, threads: int | None = None, cores: list[int] | None = None):
+        super().__init__("target", config, cache_len, target_vocab, None, rank, world, dist_address, threads, cores)
+        draft_world = config.draft_tensor_parallel_size
+        self.draft = None
+        if draft_world > 1 or rank == 0:
+            self.draft = GroupRank("draft", config, cache_len, target_vocab, vocab_mapping,
+                                   rank if draft_world > 1 else 0, draft_world,
+                                   group=self.group if draft_world > 1 else None)
+
+    def draft_ready(self) -> bool:
+        return self.draft is not None
+
+    def _workers(self) -> list[ModelWorker]:
+        return [self.worker] + ([self.draft.worker] if self.draft is not None else [])
+
+    def draft_add_request(self, request_id: str, seed: int) -> None:
+        self.draft.add_request(request_id, seed)
+
+    def draft_remove_request(self, request_id: str) -> None:
+        self.draft.remove_request(request_id)
+
+    def draft_prefill(self, slot: int, tokens: list[int], after=None, scored=None):
+        return self.draft.prefill(slot, tokens, after, scored)
+
+    def draft_propose(self, batch: DraftBatch) -> DraftOutput | None:
+        return self.draft.propose(batch)
+
+    def draft_propose_ahead(self, batch: AheadBatch, fresh: DraftOutput | None):
+        return self.draft.propose_ahead(batch, fresh)
+
+
+class DraftHandle:
+    """A colocated draft rank as the executor calls it: `handle.propose.remote(...)` goes to the
+    target actor's `draft_propose`."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def __getattr__(self, name: str):
+        return getattr(self.actor, f"draft_{name}")
+
+
 class LocalExecutor:
     def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None):
@@ -112,6 +181,13 @@ class LocalExecutor:
         self.draft = None
         if config.speculative_config is not None:
             self.draft = GroupRank("draft", config, cache_len, target_vocab, vocab_mapping)
+        # both models on this process's device: one budget for their caches together
+        reports = [r.memory() for r in self._ranks()]
+        joint = DeviceMemory(sum(r.slot_bytes for r in reports), reports[0].budget_bytes,
+                             sum(r.weight_bytes for r in reports), reports[0].where)
+        self.num_slots = plan_slots([joint], config.max_num_seqs, cache_len, config.gpu_memory_utilization)
+        for r in self._ranks():
+            r.allocate(self.num_slots)
         self._ahead = None  # the last step's draft-ahead blocks (whole: the next verify reads them)
 
     def _ranks(self):
@@ -176,8 +252,9 @@ ACTOR_ENV = {"env_vars": {"GOMP_SPINCOUNT": os.environ.get("TANDEM_GOMP_SPINCOUN
 
 
 def bundles_needed(config: EngineConfig) -> int:
-    """One bundle per rank of each model group."""
-    return config.tensor_parallel_size + (config.draft_tensor_parallel_size if config.speculative_config else 0)
+    """One bundle per rank of each model group (a colocated draft's ranks use the target's)."""
+    separate_draft = config.speculative_config is not None and not config.colocated_draft()
+    return config.tensor_parallel_size + (config.draft_tensor_parallel_size if separate_draft else 0)
 
 
 def init_ray(config: EngineConfig, **kwargs) -> None:
@@ -216,7 +293,8 @@ class RayExecutor:
         cuda = config.resolved_device() == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
         tp = config.tensor_parallel_size
-        dtp = config.draft_tensor_parallel_size if config.speculative_config else 0
+        colocated = config.colocated_draft()
+        dtp = config.draft_tensor_parallel_size if config.speculative_config and not colocated else 0
         cores = len(os.sched_getaffinity(0))
         if config.disjoint_cores and not cuda and cores < bundles_needed(config):
             raise ValueError(f"disjoint_cores: {bundles_needed(config)} ranks (target and draft groups) need at "
@@ -225,11 +303,27 @@ class RayExecutor:
         try:  # TANDEM_PLACEMENT_TIMEOUT_S: how long to wait for the cluster to have room
             ray.get(self.placement.ready(), timeout=float(os.environ.get("TANDEM_PLACEMENT_TIMEOUT_S") or 120))
         except ray.exceptions.GetTimeoutError:
+            hint = ("; a GPU per rank of each group: draft_placement 'colocated' puts the draft on the "
+                    "target's GPUs" if cuda and dtp else "")
             raise ExecutorError(f"could not reserve {tp + dtp} x {bundle} ({config.placement_strategy}) in the Ray "
-                                f"cluster (cluster resources: {ray.cluster_resources()})") from None
+                                f"cluster (cluster resources: {ray.cluster_resources()}){hint}") from None
         self.target = self._group("target", tp, 0)
-        self.draft = self._group("draft", dtp, tp) if dtp else []
+        if colocated:  # the target actors hold the draft ranks: all of them, or rank 0's
+            self.draft = [DraftHandle(r) for r in self.target[: config.draft_tensor_parallel_size]]
+        else:
+            self.draft = self._group("draft", dtp, tp) if dtp else []
         self._get([r.ready.remote() for r in self.target + self.draft])
+        devices = self.target + [r for r in self.draft if not isinstance(r, DraftHandle)]  # one per device
+        reports = self._get([r.memory.remote() for r in devices])
+        try:
+            slots = plan_slots(reports, config.max_num_seqs, self.cache_len, config.gpu_memory_utilization)
+            if slots < getattr(self, "num_slots", slots):  # a rebuild: the scheduler hands out the old slots
+                raise ValueError(f"rebuilt model groups fit {slots} KV cache slots, {self.num_slots} before")
+        except ValueError:
+            self.shutdown()
+            raise
+        self.num_slots = getattr(self, "num_slots", slots)
+        self._get([r.allocate.remote(self.num_slots) for r in devices])
         log.info("model groups placed (%s): %s", config.placement_strategy,
                  "; ".join(f"{role} ranks on {', '.join(ips)}" for role, ips in self.nodes().items()))
 
@@ -242,7 +336,8 @@ class RayExecutor:
         on = placement_group_table(self.placement)["bundles_to_node_id"]
         tp = len(self.target)
         return {"target": [address.get(on[i], "?") for i in range(tp)],
-                "draft": [address.get(on[tp + i], "?") for i in range(len(self.draft))]}
+                "draft": [address.get(on[(0 if self.config.colocated_draft() else tp) + i], "?")
+                          for i in range(len(self.draft))]}
 
     def _group(self, role: str, world: int, first_bundle: int) -> list:
         import ray
@@ -260,12 +355,13 @@ class RayExecutor:
         # each rank's torch threads: the node's cores shared by the group's ranks; TANDEM_RANK_THREADS
         # overrides (several replicas on one node: their groups would otherwise oversubscribe it)
         threads = None if cuda else int(os.environ.get("TANDEM_RANK_THREADS") or max(1, (os.cpu_count() or 1) // world))
-        actor = ray.remote(GroupRank)
+        colocated = role == "target" and self.config.colocated_draft()
+        actor = ray.remote(ColocatedRanks if colocated else GroupRank)
         resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 1}
+        role_args = (self.config, self.cache_len, self.target_vocab, self.vocab_mapping) if colocated else (
+            role, self.config, self.cache_len, self.target_vocab, self.vocab_mapping if role == "draft" else None)
         return [actor.options(**resources, **placed(first_bundle + rank), runtime_env=ACTOR_ENV).remote(
-                    role, self.config, self.cache_len, self.target_vocab,
-                    self.vocab_mapping if role == "draft" else None, rank, world, address, threads,
-                    self._cores(first_bundle + rank))
+                    *role_args, rank, world, address, threads, self._cores(first_bundle + rank))
                 for rank in range(world)]
 
     def _cores(self, index: int) -> list[int] | None:
@@ -289,7 +385,7 @@ class RayExecutor:
             raise StepError(f"model worker raised {type(e.cause).__name__ if e.cause else 'an error'}") from e
 
     def _all(self):
-        return self.target + self.draft
+        return self.target + self.draft  # a colocated draft's handles reach the target actors' draft_ calls
 
     def add_request(self, request_id: str, seed: int) -> None:
         self._get([r.add_request.remote(request_id, seed) for r in self._all()])
@@ -336,7 +432,8 @@ class RayExecutor:
         from ray.util.placement_group import remove_placement_group
 
         for r in getattr(self, "target", []) + getattr(self, "draft", []):
-            ray.kill(r, no_restart=True)
+            if not isinstance(r, DraftHandle):  # a colocated draft dies with its target actor
+                ray.kill(r, no_restart=True)
         if getattr(self, "placement", None) is not None:
             remove_placement_group(self.placement)
             self.placement = None

@@ -68,7 +68,8 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.spec = config.speculative_config
         self.max_model_len = max_model_len
-        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        # the executor sized the KV caches from the memory budget: at most max_num_seqs slots
+        self.free_slots = list(range(getattr(executor, "num_slots", config.max_num_seqs) - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SpecDecodeStats()
@@ -244,6 +245,8 @@ class Scheduler:
                 self._release(seq)
         elapsed = time.perf_counter() - start
         if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
+            # a draft's time includes catching up on the tokens it missed (plain steps before a
+            # probe): a real cost of drafting now and then, which keeps the policy from flapping
             self.costs.for_batch(len(ks)).observe(max(ks), result.draft_elapsed_s, result.elapsed_s, elapsed)
         if self.spec is not None and self.spec.draft_ahead:
             self.ahead_policy.observe(ahead_on, sum(len(t) for t in result.tokens), elapsed)
@@ -353,6 +356,8 @@ class Scheduler:
                 else:
                     seq.draft_ids = list(seq.prompt_ids)
                 draft_prefix = seq.draft_ids[:-1]
+                if self.spec is not None and self.spec.adaptive and not self.costs.can_pay(len(self.running)):
+                    draft_prefix = []  # drafting doesn't pay at this batch size: prefill the draft if it ever does
                 if len(seq.draft_ids) >= self.max_model_len:  # too long for the draft's cache: no drafting
                     draft_prefix = []
                     seq.draft_cached = -1
@@ -390,7 +395,7 @@ class Scheduler:
             return 0
         k = self.spec.num_speculative_tokens
         if self.spec.adaptive:
-            k = adaptive_k(seq.acceptance, self.costs.for_batch(batch), k)
+            k = adaptive_k(seq.acceptance, self.costs.for_batch(batch), k) if self.costs.can_pay(batch) else 0
         # with another tokenizer the draft may need more tokens than the target for the same text
         # (Thai: ~6x): past max_model_len of its own tokens it stops drafting, its cache would overflow
         if seq.draft_cached < 0 or len(seq.draft_ids) + k > self.max_model_len:

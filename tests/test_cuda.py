@@ -70,6 +70,38 @@ def test_tensor_parallel_2_over_nccl_equals_tp1():
     assert [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, greedy)] == tp1
 
 
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_one_gpu_speculates_with_a_colocated_draft_over_ray(placement):
+    """One GPU: the draft in the target's actor (the default on CUDA) speculates; separate actors
+    need a second GPU (skipped on one)."""
+    ray = pytest.importorskip("ray")
+    if placement == "separate" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in cuda_llm().generate(PROMPTS, greedy)]
+    llm = cuda_llm({"draft_placement": placement}, distributed_executor_backend="ray")
+    try:
+        assert len(llm.executor.placement.bundle_specs) == (1 if placement == "colocated" else 2)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == plain
+    finally:
+        llm.executor.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_colocated_draft_shares_the_target_tensor_parallel_group():
+    ray = pytest.importorskip("ray")
+    ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tp1 = [o.outputs[0].token_ids for o in cuda_llm().generate(PROMPTS, greedy)]
+    llm = LLM(model=TARGET, device="cuda", dtype="float32", tensor_parallel_size=2, seed=1,
+              speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "draft_placement": "colocated"})
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == tp1
+    finally:
+        llm.executor.shutdown()
+
+
 @pytest.mark.parametrize("spec", [{}, {"parallel_drafting": True, "model": "random:tiny-llama-pard:2"}])
 def test_penalties_and_logprobs_on_cuda(spec):
     """Penalties, logit_bias and logprobs on the GPU path: greedy identity with speculation (sequential

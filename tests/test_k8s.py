@@ -98,16 +98,30 @@ def test_cpu_demo_is_serve_config_yaml():
     assert ours["http_options"]["host"] == "127.0.0.1" and ours["applications"][0]["args"]["grpc_host"] == "127.0.0.1"
 
 
-def test_gpu_example():
-    doc = load(ROOT / "k8s" / "rayservice-gpu.yaml")
-    args = parse_args(serve_config_of(ROOT / "k8s" / "rayservice-gpu.yaml")["applications"][0]["args"])
-    assert args.model == "Qwen/Qwen3-8B" and args.tensor_parallel_size == 2
-    assert args.speculative_config.model == "Qwen/Qwen3-0.6B"
-    assert args.speculative_config.draft_tensor_parallel_size == 2
+def test_gpu_example_shows_both_draft_placements_and_fits_its_gpus():
+    from engine.executor import bundles_needed
+
+    path = ROOT / "k8s" / "rayservice-gpu.yaml"
+    doc = load(path)
+    apps = serve_config_of(path)["applications"]
+    configs = {a["name"]: parse_args(a["args"]).engine_config() for a in apps}
+    colocated, separate = configs["tandem"], configs["tandem-separate"]
+    assert colocated.model == "Qwen/Qwen3-8B" and colocated.speculative_config.model == "Qwen/Qwen3-0.6B"
+    assert colocated.colocated_draft() and not separate.colocated_draft()
+    assert bundles_needed(colocated) == 2 and bundles_needed(separate) == 2  # a GPU per bundle
     worker = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert int(limits["nvidia.com/gpu"]) >= 4  # target TP 2 + draft TP 2, one GPU per rank
+    assert int(limits["nvidia.com/gpu"]) >= sum(bundles_needed(c) for c in configs.values())
     assert worker["rayStartParams"]["num-gpus"] == limits["nvidia.com/gpu"]
+    # each app its own gRPC port (a shared port would mix the apps' requests), open on the head
+    ports = [parse_args(a["args"]).grpc_port for a in apps]
+    head = doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert len(set(ports)) == len(ports) and set(ports) <= {p["containerPort"] for p in head["ports"]}
+    # the Hub token comes from a Secret into every pod that loads models, never from args
+    for container in [head, worker["template"]["spec"]["containers"][0]]:
+        env = {e["name"]: e for e in container["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+    assert "HF_TOKEN" not in json.dumps(apps) and "hf_" not in json.dumps(apps)
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
