@@ -100,11 +100,29 @@ class BatchCosts:
         self.k_max, self.parallel = k_max, parallel
         self.by_bucket: dict[int, CostModel] = {}
 
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << (max(1, rows).bit_length() - 1)
+
     def for_batch(self, rows: int) -> CostModel:
-        bucket = 1 << (max(1, rows).bit_length() - 1)
+        bucket = self.bucket(rows)
         if bucket not in self.by_bucket:
             self.by_bucket[bucket] = CostModel(self.k_max, parallel=self.parallel)
         return self.by_bucket[bucket]
+
+    def can_pay(self, rows: int) -> bool:
+        """False when drafting can't pay at this batch size even if every draft were accepted, as
+        measured here or at a smaller batch (a larger one only makes verifying dearer against a
+        plain step): then the engine neither drafts nor prefills the draft, nor spends a step of
+        every draft to measure this size."""
+        bucket = self.bucket(rows)
+        return all(drafting_can_pay(m, self.k_max) for b, m in self.by_bucket.items() if b <= bucket)
+
+
+# After this many plain steps a request drafts one token again, so a wrong estimate can recover;
+# each probe that changes nothing doubles the wait, up to MAX_PROBE_EVERY.
+PROBE_EVERY = 16
+MAX_PROBE_EVERY = 256
 
 
 @dataclass
@@ -121,6 +139,7 @@ class AcceptanceEstimate:
     accepted: float = 1.0
     trials: float = 2.0
     steps_without_drafts: int = 0
+    probe_every: int = PROBE_EVERY
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
@@ -140,18 +159,27 @@ class AcceptanceEstimate:
         return AcceptanceEstimate(accepted=weight * self.alpha, trials=weight)
 
 
-# After this many plain steps a request drafts one token again, so a wrong estimate can recover.
-PROBE_EVERY = 16
+def drafting_can_pay(costs: CostModel, k_max: int) -> bool:
+    """False once measured that not even drafts that are always accepted would pay at this batch
+    size (a large batch on a CPU): then acceptance can't change the verdict, only the costs can."""
+    ratios = costs.ratios()
+    return ratios is None or choose_k(1.0, *ratios, k_max, costs.step_overhead(), costs.parallel) > 0
 
 
 def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> int:
     ratios = costs.ratios()
     if ratios is None:  # not measured yet: measure a plain step first, then a full draft
         return 0 if not costs.verify_s[0] else k_max
-    if estimate.steps_without_drafts >= PROBE_EVERY:
-        return 1
     c, v = ratios
-    return choose_k(estimate.alpha, c, v, k_max, costs.step_overhead(), costs.parallel)
+    if estimate.steps_without_drafts >= estimate.probe_every:
+        if not drafting_can_pay(costs, k_max):  # a probe could teach nothing
+            return 0
+        estimate.probe_every = min(MAX_PROBE_EVERY, 2 * estimate.probe_every)
+        return 1
+    k = choose_k(estimate.alpha, c, v, k_max, costs.step_overhead(), costs.parallel)
+    if k > 0:
+        estimate.probe_every = PROBE_EVERY
+    return k
 
 
 class AheadPolicy:
