@@ -177,7 +177,9 @@ class Scheduler:
         for seq in rows:
             seq.ahead = None  # used now or never: the draft cache moves on either way
         self.ahead_used += sum(1 for blk in blocks if blk)
-        ks = [len(blk) if blk else self._num_drafts(seq, len(rows)) for seq, blk in zip(rows, blocks)]
+        # whether drafting can pay at this batch size: once per round, not per row
+        pays = self.spec is not None and self.spec.adaptive and self.costs.can_pay(len(rows))
+        ks = [len(blk) if blk else self._num_drafts(seq, len(rows), pays) for seq, blk in zip(rows, blocks)]
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
             slots=[s.slot for s in rows],
@@ -390,12 +392,12 @@ class Scheduler:
             room = min(room, seq.params.max_tokens - len(seq.output_ids))
         return room
 
-    def _num_drafts(self, seq: Sequence, batch: int) -> int:
+    def _num_drafts(self, seq: Sequence, batch: int, pays: bool) -> int:
         if self.spec is None:
             return 0
         k = self.spec.num_speculative_tokens
         if self.spec.adaptive:
-            k = adaptive_k(seq.acceptance, self.costs.for_batch(batch), k) if self.costs.can_pay(batch) else 0
+            k = adaptive_k(seq.acceptance, self.costs.for_batch(batch), k) if pays else 0
         # with another tokenizer the draft may need more tokens than the target for the same text
         # (Thai: ~6x): past max_model_len of its own tokens it stops drafting, its cache would overflow
         if seq.draft_cached < 0 or len(seq.draft_ids) + k > self.max_model_len:

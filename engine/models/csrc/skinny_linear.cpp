@@ -175,17 +175,22 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   });
 }
 
+// q [N, K] int8 with a (scale, offset) pair per `group` weights of a row.
+void check_blocks(const char* op, const at::Tensor& q, const at::Tensor& scale_offset, int64_t group) {
+  TORCH_CHECK(group >= LANES && (group & (group - 1)) == 0 && q.size(1) % group == 0,
+              op, ": group must be a power of two >= 16 dividing K");
+  TORCH_CHECK(scale_offset.scalar_type() == at::kFloat && scale_offset.is_contiguous() &&
+                  scale_offset.numel() == q.size(0) * (q.size(1) / group) * 2,
+              op, ": scale_offset must be a contiguous float32 [N, K / group, 2] tensor");
+}
+
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale_offset, int64_t group,
                         const c10::optional<at::Tensor>& bias) {
   check_x(x);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == x.size(1),
               "block_linear: q must be a contiguous int8 [N, K] matrix matching x");
-  TORCH_CHECK(group >= LANES && (group & (group - 1)) == 0 && q.size(1) % group == 0,
-              "block_linear: group must be a power of two >= 16 dividing K");
+  check_blocks("block_linear", q, scale_offset, group);
   const int64_t k = x.size(1), n = q.size(0);
-  TORCH_CHECK(scale_offset.scalar_type() == at::kFloat && scale_offset.is_contiguous() &&
-                  scale_offset.numel() == n * (k / group) * 2,
-              "block_linear: scale_offset must be a contiguous float32 [N, K / group, 2] tensor");
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale_offset.data_ptr<float>();
   const int64_t shift = __builtin_ctzll(group);
@@ -206,12 +211,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 // the kernel expands in registers.
 at::Tensor block_dequantize(const at::Tensor& q, const at::Tensor& scale_offset, int64_t group) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "block_dequantize: q must be int8 [N, K]");
-  TORCH_CHECK(group >= LANES && (group & (group - 1)) == 0 && q.size(1) % group == 0,
-              "block_dequantize: group must be a power of two >= 16 dividing K");
+  check_blocks("block_dequantize", q, scale_offset, group);
   const int64_t n = q.size(0), k = q.size(1);
-  TORCH_CHECK(scale_offset.scalar_type() == at::kFloat && scale_offset.is_contiguous() &&
-                  scale_offset.numel() == n * (k / group) * 2,
-              "block_dequantize: scale_offset must be a contiguous float32 [N, K / group, 2] tensor");
   at::Tensor w = at::empty({n, k}, scale_offset.options());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale_offset.data_ptr<float>();
