@@ -1,6 +1,7 @@
-"""GGUF weights as int8 blocks (engine/models/gguf_blocks.py, the block kernel in csrc/skinny_linear.cpp):
-exact decoding of every GGUF type we read, a kernel bit-identical to the float32 one, and whole
-models whose outputs equal the float32 path's bit for bit, in about a third of the memory."""
+"""GGUF weights as blocks (engine/models/gguf_blocks.py, the block kernel in csrc/skinny_linear.cpp):
+exact decoding of every GGUF type we read, packed forms (4-bit, float16 scales) that hold the same
+values in the file's own bytes, a kernel bit-identical to the float32 one, and whole models whose
+outputs equal the float32 path's bit for bit, in a tenth of its memory."""
 import numpy as np
 import pytest
 import torch
@@ -59,15 +60,41 @@ def test_every_quantized_tensor_of_the_embedded_models_is_kept_as_blocks(model, 
     assert nbytes < 0.4 * sum(state[name].nbytes for name in blocks)
 
 
+# (q values, (scale, offset) float16-exact, offsets, group): every packed form the kernel reads
+FORMATS = {
+    "int8, float32 pairs": (range(-128, 128), False, True, 32),
+    "int8, float16 scales only (Q8_0)": (range(-128, 128), True, False, 32),
+    "int8, groups of 16 (Q6_K)": (range(-32, 32), False, False, 16),
+    "4-bit from 0, float16 pairs (Q4_1)": (range(0, 16), True, True, 32),
+    "4-bit from -8, scales only (Q4_0)": (range(-8, 8), True, False, 32),
+    "4-bit, float32 pairs (Q4_K)": (range(0, 16), False, True, 32),
+    "4-bit, groups of 16": (range(0, 16), False, True, 16),
+    "int8, groups of 64": (range(-128, 128), False, True, 64),
+}
+
+
+def random_weight(values: range, half: bool, offsets: bool, group: int, n: int, k: int, gen) -> BlockWeight:
+    q = torch.randint(values.start, values.stop, (n, k), generator=gen).to(torch.int8)
+    so = torch.randn(n, k // group, 2, generator=gen)
+    if half:
+        so = so.half().float()
+    if not offsets:
+        so[..., 1] = -0.0
+    return BlockWeight(q, so, group)
+
+
 @needs_kernel
-@pytest.mark.parametrize("group", [16, 32, 64])
+@pytest.mark.parametrize("form", sorted(FORMATS))
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_block_kernel_equals_the_float32_kernel_bit_for_bit(group, with_bias):
-    gen = torch.Generator().manual_seed(group)
-    n, k = 99, 4 * group + 64
-    weight = BlockWeight(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen),
-                         torch.randn(n, k // group, 2, generator=gen), group)
+def test_block_kernel_equals_the_float32_kernel_bit_for_bit(form, with_bias):
+    gen = torch.Generator().manual_seed(len(form))
+    n, k = 99, 4 * 64 + 64  # 99 rows: the last block of 4 is padded
+    weight = random_weight(*FORMATS[form], n, k, gen)
     dense = weight.dequantize()
+    packed = weight.packed()
+    assert packed.shape == weight.shape and torch.equal(packed.dequantize(), dense)
+    rows = torch.tensor([[98, 0], [5, 97]])
+    assert torch.equal(packed.dequantize(rows), dense[rows])  # an embedding lookup
     bias = torch.randn(n, generator=gen) if with_bias else None
     threads = torch.get_num_threads()
     try:
@@ -75,22 +102,35 @@ def test_block_kernel_equals_the_float32_kernel_bit_for_bit(group, with_bias):
             torch.set_num_threads(t)
             for m in (1, 2, 5, 6, 7, MAX_ROWS):
                 x = torch.randn(m, k, generator=gen)
-                out = torch.ops.tandem.block_linear(x, weight.q, weight.scale_offset, group, bias)
+                out = torch.ops.tandem.block_linear(x, packed.q, packed.scale_offset, packed.zero, packed.rows, bias)
                 assert torch.equal(out, torch.ops.tandem.skinny_linear(x, dense, bias)), f"m={m}, threads={t}"
-            assert torch.equal(torch.ops.tandem.block_dequantize(weight.q, weight.scale_offset, group), dense)
+            got = torch.ops.tandem.block_dequantize(packed.q, packed.scale_offset, packed.zero, packed.rows)
+            assert torch.equal(got, dense)
     finally:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("form,bytes_per_weight", [("4-bit from 0, float16 pairs (Q4_1)", 0.625),
+                                                   ("int8, float16 scales only (Q8_0)", 1.0625),
+                                                   ("4-bit from -8, scales only (Q4_0)", 0.5625),
+                                                   ("int8, float32 pairs", 1.25)])
+def test_packing_takes_the_files_own_bytes_where_exact(form, bytes_per_weight):
+    weight = random_weight(*FORMATS[form], 64, 256, torch.Generator().manual_seed(0))
+    assert weight.packed().nbytes == bytes_per_weight * 64 * 256
+
+
 @needs_kernel
 def test_block_kernel_refuses_bad_shapes():
-    q, so = torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 2, 2)
-    with pytest.raises(RuntimeError, match="matching x"):
-        torch.ops.tandem.block_linear(torch.randn(2, 48), q, so, 32, None)
-    with pytest.raises(RuntimeError, match="group"):
-        torch.ops.tandem.block_linear(torch.randn(2, 64), q, so, 24, None)
+    packed = random_weight(*FORMATS["int8, float32 pairs"], 8, 64, torch.Generator().manual_seed(0)).packed()
+    q, so = packed.q, packed.scale_offset
+    with pytest.raises(RuntimeError, match="does not match x"):
+        torch.ops.tandem.block_linear(torch.randn(2, 48), q, so, 0, 8, None)
+    with pytest.raises(RuntimeError, match="rows"):
+        torch.ops.tandem.block_linear(torch.randn(2, 64), q, so, 0, 9, None)
+    with pytest.raises(RuntimeError, match="q must be"):
+        torch.ops.tandem.block_linear(torch.randn(2, 64), q.flatten(0, 1), so, 0, 8, None)
     with pytest.raises(RuntimeError, match="scale_offset"):
-        torch.ops.tandem.block_linear(torch.randn(2, 64), q, torch.zeros(8, 4, 2), 32, None)
+        torch.ops.tandem.block_linear(torch.randn(2, 64), q, torch.zeros(2, 3, 4, 2), 0, 8, None)
 
 
 def logits_of_steps(worker: ModelWorker) -> list[torch.Tensor]:
@@ -125,7 +165,8 @@ def test_a_model_on_blocks_gives_the_float32_logits_bit_for_bit_in_less_memory(m
             if blocks is not None:
                 tensors[id(blocks.q)] = blocks.nbytes
         return sum(tensors.values())
-    assert weight_bytes(on_blocks) < 0.25 * weight_bytes(on_float32)
+    # float32 keeps two copies (oneDNN's and the kernel's); the packed blocks take the file's bytes
+    assert weight_bytes(on_blocks) < {SMOLLM2: 0.1, GEMMA3: 0.15}[model] * weight_bytes(on_float32)
 
 
 def greedy_runs(llm: LLM) -> list[tuple[list[int], list[float]]]:

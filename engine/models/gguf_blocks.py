@@ -5,7 +5,8 @@ gguf-py (which transformers' GGUF loader runs, and so our float32 cache holds), 
 fl(fl(scale * q) + offset): q a small integer, one float32 (scale, offset) per 16 or 32 weights of
 a row; types without an offset get -0.0, which leaves every float unchanged. So one format holds
 all of them exactly: q as int8, (scale, offset) as float32 pairs, 1.25-1.5 bytes a weight instead
-of 4. The block kernel (csrc/skinny_linear.cpp) and `dequantize` rebuild the very float32 values of
+of 4. For inference, `BlockWeight.packed` narrows them further where that is exact: 4-bit q for the
+4-bit types, float16 pairs for the legacy ones (Q4_1: 0.625 bytes a weight, as in the file). The block kernel (csrc/skinny_linear.cpp) and `dequantize` rebuild the very float32 values of
 the dequantized copy, so outputs are bit-identical to the float32 path. Each tensor is checked
 bit for bit against that copy when it is read; one that differs stays float32 (with a log line).
 """
@@ -20,6 +21,10 @@ import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
+
+
+NR = 4  # rows the kernel streams side by side (csrc/skinny_linear.cpp)
+SPAN = 32  # weights the kernel reads per row and step; every GGUF block is 32 or 256
 
 
 @dataclass
@@ -40,8 +45,11 @@ class BlockWeight:
         """float32 weights (of `rows` only, e.g. token ids for an embedding lookup): a multiply,
         then an add, each rounded, as gguf-py computes them."""
         q, so = (self.q, self.scale_offset) if rows is None else (self.q[rows], self.scale_offset[rows])
-        grouped = q.unflatten(-1, (-1, self.group)).float()
-        return (so[..., 0:1] * grouped + so[..., 1:2]).flatten(-2)
+        return _dequantize(q, so, self.group)
+
+    def packed(self) -> "PackedBlocks":
+        """The same weights in the kernel's layout and the fewest bytes that hold them exactly."""
+        return PackedBlocks.of(self)
 
     def rows(self, start: int, stop: int) -> "BlockWeight":
         return BlockWeight(self.q[start:stop].clone(), self.scale_offset[start:stop].clone(), self.group)
@@ -63,6 +71,78 @@ class BlockWeight:
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale_offset for p in parts]), group)
+
+
+def _dequantize(q: Tensor, so: Tensor, group: int) -> Tensor:
+    so = so.float()
+    scaled = so[..., 0:1] * q.unflatten(-1, (-1, group)).float()
+    return (scaled + so[..., 1:2] if so.shape[-1] == 2 else scaled).flatten(-2)
+
+
+@dataclass
+class PackedBlocks:
+    """A BlockWeight as the kernel reads it (inference only: slice and join before packing).
+
+    Fewer bytes where that is exact: q as 4-bit values where the tensor's q span at most 16 values
+    (Q4_0, Q4_1, Q4_K: in every 32 weights, byte j holds weight j in its low half and j + 16 in its
+    high half, q = nibble + zero), scales alone where every offset is -0.0 (Q4_0, Q5_0, Q8_0, Q6_K),
+    float16 where every value round-trips (the legacy types store them so). Q4_1 takes 0.625 bytes a
+    weight, as in the file. Rows are interleaved by NR so that each NR rows are one sequential stream:
+    q [ceil(N / NR), K / 32, NR, 32 or 16 bytes], scale_offset [ceil(N / NR), K / group, NR, 2 or 1].
+    """
+    q: Tensor
+    scale_offset: Tensor
+    zero: int
+    rows: int  # N; q and scale_offset hold it rounded up to NR with zero rows
+
+    @staticmethod
+    def of(w: BlockWeight) -> "PackedBlocks":
+        n, k = w.shape
+        if k % SPAN:
+            raise ValueError(f"blocks of {k} columns: the kernel reads multiples of {SPAN}")
+        so = w.scale_offset
+        if _bits_equal(so[..., 1], torch.full_like(so[..., 1], -0.0)):
+            so = so[..., :1]
+        half = so.to(torch.float16)
+        if _bits_equal(half.float(), so):
+            so = half
+        q, zero = w.q.unflatten(-1, (-1, SPAN)), 0  # [N, K / 32, 32]
+        lo, hi = int(w.q.min()), int(w.q.max())
+        if hi - lo <= 15:
+            nibbles = (q.to(torch.int16) - lo).to(torch.uint8)
+            q, zero = nibbles[..., :16] | (nibbles[..., 16:] << 4), lo
+        pad = -n % NR
+        q, so = (torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in (q, so))
+        return PackedBlocks(_interleave(q), _interleave(so), zero, n)
+
+    @property
+    def four_bit(self) -> bool:
+        return self.q.dtype == torch.uint8
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.q.shape[1] * SPAN))
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.scale_offset.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale_offset.nbytes
+
+    def dequantize(self, rows: Tensor | None = None) -> Tensor:
+        """float32 weights (of `rows` only), the values of the BlockWeight this was packed from."""
+        index = torch.arange(self.rows) if rows is None else rows
+        q = self.q[index // NR, :, index % NR]  # [..., K / 32, bytes]
+        if self.four_bit:
+            q = (torch.cat([q & 0x0F, q >> 4], dim=-1).to(torch.int16) + self.zero).to(torch.int8)
+        return _dequantize(q.flatten(-2), self.scale_offset[index // NR, :, index % NR], self.group)
+
+
+def _interleave(t: Tensor) -> Tensor:
+    """[N, a, b] -> [N / NR, a, NR, b]"""
+    return t.unflatten(0, (-1, NR)).transpose(1, 2).contiguous()
 
 
 # --- decoding GGUF blocks into (q, scale, offset), each step as in gguf-py's dequantize_blocks ---

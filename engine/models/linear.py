@@ -6,9 +6,10 @@
 - more rows (prefill): oneDNN with a pre-packed weight (MKL's sgemm is 2-3x slower here).
 
 Both need their own copy of the weight, so float32 linears on CPU hold their weights twice.
-A GGUF model's quantized linears and embedding instead hold int8 blocks (`use_blocks`,
-gguf_blocks.py): the block kernel for small steps, the weight dequantized for the call in prefill;
-bit-identical to the float32 layers. Other dtypes and devices use F.linear.
+A GGUF model's quantized linears and embedding instead hold blocks (`use_blocks`, gguf_blocks.py;
+packed by `pack_linears` into the kernel's layout, at the file's own bytes where exact): the block
+kernel for small steps, the weight dequantized for the call in prefill; bit-identical to the float32
+layers. Other dtypes and devices use F.linear.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models.gguf_blocks import BlockWeight
+from engine.models.gguf_blocks import BlockWeight, PackedBlocks
 from engine.models.skinny import MAX_ROWS, skinny_kernel_available
 
 
@@ -27,11 +28,14 @@ def onednn_available() -> bool:
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     blocks = getattr(layer, "blocks", None)
     if blocks is not None:
+        if isinstance(blocks, BlockWeight):  # not through pack_linears: pack on first use
+            blocks = layer.blocks = blocks.packed()
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= MAX_ROWS:
-            out = torch.ops.tandem.block_linear(flat.contiguous(), blocks.q, blocks.scale_offset, blocks.group, layer.bias)
+            out = torch.ops.tandem.block_linear(flat.contiguous(), blocks.q, blocks.scale_offset, blocks.zero,
+                                                blocks.rows, layer.bias)
         else:  # prefill: the float32 path's own oneDNN call, on this call's dequantized copy
-            weight = torch.ops.tandem.block_dequantize(blocks.q, blocks.scale_offset, blocks.group)
+            weight = torch.ops.tandem.block_dequantize(blocks.q, blocks.scale_offset, blocks.zero, blocks.rows)
             out = torch.ops.mkldnn._linear_pointwise(flat, weight, layer.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
     packed = getattr(layer, "packed_weight", None)
@@ -84,12 +88,22 @@ def pack_linears(model: nn.Module, skinny: bool | None = None) -> int:
 
     Each gets a oneDNN-packed copy of its weight. The dense weight is kept for the skinny kernel
     when that is available (skinny=None: if it builds here), else released unless another module
-    shares it (a tied LM head keeps the embedding table).
+    shares it (a tied LM head keeps the embedding table). Block weights take their packed form
+    (BlockWeight.packed: the same values in fewer bytes).
     """
     if not onednn_available():
         return 0
     if skinny is None:
         skinny = skinny_kernel_available()
+    if skinny and hasattr(model, "cpu_kernels"):  # the same library holds the decode layer's other ops
+        model.cpu_kernels = True
+    packed: dict[int, PackedBlocks] = {}  # a tied LM head shares its embedding's blocks
+    for module in model.modules():
+        blocks = getattr(module, "blocks", None)
+        if isinstance(blocks, BlockWeight):
+            if id(blocks) not in packed:
+                packed[id(blocks)] = blocks.packed()
+            module.blocks = packed[id(blocks)]
     shared = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
               if not name.endswith(("_proj.weight", "lm_head.weight"))}
     count = 0
@@ -103,4 +117,6 @@ def pack_linears(model: nn.Module, skinny: bool | None = None) -> int:
             elif id(module.weight) not in shared:
                 module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             count += 1
+    if getattr(model, "cpu_kernels", False):
+        model.build_decode_layers()
     return count

@@ -1,4 +1,6 @@
-"""Our small-M linear kernels (csrc/skinny_linear.cpp: float32 and int8-block weights), compiled on first use.
+"""Our CPU kernels, compiled on first use: small-M linears (csrc/skinny_linear.cpp: float32 and int8-block
+weights), the rest of a decode step's layer (csrc/decode_ops.cpp: RMSNorm, attention, gated activation) and
+the whole layer as one call (csrc/decode_layer.cpp).
 
 Compiled for any AVX-512 CPU (not -march=native, so a cache or image built on one machine runs on
 another) into $TANDEM_CACHE_DIR/kernels (default ~/.cache/tandem/kernels), once per source and
@@ -18,8 +20,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
-CFLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp"]  # block_linear: never fuse its multiply-add
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("skinny_linear.cpp", "decode_ops.cpp", "decode_layer.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "kernels.h"]
+CFLAGS = ["-O3", "-mavx512f", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # block_linear: never fuse its multiply-add
 # Up to this many rows (decode, verify steps of a batch, short prefills) the kernel runs within ~10% of
 # oneDNN's blocked GEMM (at 17-64 rows) or faster (fewer), with every row independent of the others;
 # beyond, oneDNN. Block weights need it most: oneDNN reads them only dequantized, per call.
@@ -46,7 +49,7 @@ def skinny_kernel_available() -> bool:
 
     from engine.models.loading import cache_dir  # here: loading imports the model, which imports us
 
-    version = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    version = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS).encode()).hexdigest()[:12]
     name = f"tandem_skinny_{version}"
     build_dir = cache_dir() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +59,7 @@ def skinny_kernel_available() -> bool:
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
         # cpp_extension holds a file lock while building, so concurrent actors build it once.
-        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+        cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
                            extra_cflags=CFLAGS, is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: oneDNN still works
         logger.warning("skinny linear kernel could not be built (%s); using oneDNN for every linear", exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.gguf_blocks import SPAN
 from engine.models.linear import out_features, set_blocks
 from engine.models.transformer import Transformer
 
@@ -30,10 +31,10 @@ def _keep_cols(layer: nn.Linear, rank: int, world: int) -> None:
     blocks = getattr(layer, "blocks", None)
     if blocks is not None:
         cols = blocks.shape[1] // world
-        if cols % blocks.group == 0:
+        if cols % blocks.group == 0 and cols % SPAN == 0:
             set_blocks(layer, blocks.cols(rank * cols, (rank + 1) * cols))
             return
-        set_blocks(layer, None)  # the shard would cut through blocks: float32
+        set_blocks(layer, None)  # the shard would cut through blocks or the kernel's spans: float32
     cols = layer.weight.shape[1] // world
     layer.weight = nn.Parameter(layer.weight[:, rank * cols : (rank + 1) * cols].clone(), requires_grad=False)
 

@@ -3,6 +3,10 @@
 Module names match the Hugging Face checkpoints, so a HF state dict loads as it is.
 The forward is ragged: B rows, each with its own start position and up to T new tokens,
 reading and writing a slot-based KV cache (engine/kv_cache.py).
+
+On CPU in float32, once `pack_linears` has run, the ops between linears run on our kernels
+(csrc/decode_ops.cpp) and a decode or verify step runs each layer as one C++ call
+(csrc/decode_layer.cpp, the same kernels in the same order); on GPUs and in bfloat16, PyTorch ops.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from torch import Tensor, nn
 from engine.kv_cache import slot_rows
 from engine.models.gguf_blocks import BlockWeight
 from engine.models.linear import embedding, linear, set_blocks
+from engine.models.skinny import MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,10 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cpu_kernels: bool = False) -> Tensor:
+        if cpu_kernels:
+            flat = torch.ops.tandem.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, self.offset)
+            return flat.view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma: scale in float32, then cast
@@ -153,6 +161,15 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
         B, T, _ = x.shape
+        if ctx.cpu_kernels and T <= SMALL_QUERY_ROWS and getattr(self, "qkv_proj", None) is not None:  # one op from q|k|v to the attention output
+            qkv = linear(x, self.qkv_proj).view(B * T, -1)
+            cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            norm = self.q_norm or self.k_norm
+            out = torch.ops.tandem.decode_attention(
+                qkv, ctx.positions, ctx.slots, ctx.cache.k[self.layer], ctx.cache.v[self.layer], cos, sin, *norms,
+                norm.eps if norm else 0.0, norm.offset if norm else 0.0, self.num_heads, self.scale, self.window or 0)
+            return self._project_out(out.view(B, T, -1))
         if getattr(self, "qkv_proj", None) is not None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
@@ -169,7 +186,10 @@ class Attention(nn.Module):
         keys, values = ctx.cache.update(self.layer, ctx.slots, ctx.positions, k, v, ctx.key_len, ctx.read_slots)
         mask = ctx.global_mask if self.window is None else ctx.window_mask(self.window)
         out = attention(q, keys, values, mask, self.scale)  # [B, H, T, D]
-        out = linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
+        return self._project_out(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _project_out(self, out: Tensor) -> Tensor:
+        out = linear(out, self.o_proj)
         if self.tp_group is not None:  # row-parallel o_proj: sum the ranks' partial outputs
             torch.distributed.all_reduce(out, group=self.tp_group)
         return out
@@ -221,6 +241,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         self.tp_group = None
+        self.gelu = args.hidden_act != "silu"
         if args.hidden_act == "silu":
             self.act = F.silu
         elif args.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -232,12 +253,17 @@ class MLP(nn.Module):
         self.gate_up_proj = _concat_linears(self.gate_proj, self.up_proj)
         self.gate_proj = self.up_proj = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        if getattr(self, "gate_up_proj", None) is not None:
-            gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+    def forward(self, x: Tensor, cpu_kernels: bool = False) -> Tensor:
+        if cpu_kernels and getattr(self, "gate_up_proj", None) is not None:
+            gate_up = linear(x, self.gate_up_proj)
+            hidden = torch.ops.tandem.gated_act(gate_up.view(-1, gate_up.shape[-1]), self.gelu)
+            out = linear(hidden.view(*x.shape[:-1], -1), self.down_proj)
         else:
-            gate, up = linear(x, self.gate_proj), linear(x, self.up_proj)
-        out = linear(self.act(gate) * up, self.down_proj)
+            if getattr(self, "gate_up_proj", None) is not None:
+                gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+            else:
+                gate, up = linear(x, self.gate_proj), linear(x, self.up_proj)
+            out = linear(self.act(gate) * up, self.down_proj)
         if self.tp_group is not None:  # row-parallel down_proj
             torch.distributed.all_reduce(out, group=self.tp_group)
         return out
@@ -255,11 +281,12 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+        k = ctx.cpu_kernels
         if self.sandwich:  # Gemma: norm around each sub-block, residual outside
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x, k), ctx), k)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x, k), k), k)
+        x = x + self.self_attn(self.input_layernorm(x, k), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x, k), k)
 
 
 class Backbone(nn.Module):
@@ -273,15 +300,14 @@ class Backbone(nn.Module):
 class ForwardContext:
     """What every layer of one forward call shares: cache rows, positions, masks, rotary tables."""
 
-    def __init__(self, args: ModelArgs, cache, slots: Tensor, positions: Tensor, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, cache, slots: Tensor, positions: Tensor, dtype: torch.dtype,
+                 cpu_kernels: bool = False):
         self.cache, self.slots, self.positions = cache, slots, positions  # slots [B], positions [B, T]
+        self.cpu_kernels = cpu_kernels
         self.read_slots = slot_rows(slots)
         self.layer_rope = args.layer_rope
         self.key_len = int(positions.max()) + 1
-        key_pos = torch.arange(self.key_len, device=positions.device)
-        # [B, 1, T, S]: a query sees keys at or before its own position
-        self.causal_delta = positions[:, None, :, None] - key_pos[None, None, None, :]
-        self.global_mask = self.causal_delta >= 0
+        self._global_mask: Tensor | None = None  # built on first use: the C++ layers need none
         self._window_masks: dict[int, Tensor] = {}
         self.rope = {}
         for kind, freq in args.rope_inv_freq.items():
@@ -290,6 +316,15 @@ class ForwardContext:
             emb = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
             s = args.rope_scaling[kind]
             self.rope[kind] = ((emb.cos() * s).to(dtype), (emb.sin() * s).to(dtype))
+
+    @property
+    def global_mask(self) -> Tensor:
+        if self._global_mask is None:
+            key_pos = torch.arange(self.key_len, device=self.positions.device)
+            # [B, 1, T, S]: a query sees keys at or before its own position
+            self.causal_delta = self.positions[:, None, :, None] - key_pos[None, None, None, :]
+            self._global_mask = self.causal_delta >= 0
+        return self._global_mask
 
     def window_mask(self, window: int) -> Tensor:
         if window not in self._window_masks:
@@ -305,12 +340,47 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # csrc/decode_ops.cpp for norms, attention and activations: set by pack_linears where it builds
+        # (CPU, float32, projections fused)
+        self.cpu_kernels = False
+        self.decode_layers: list | None = None  # csrc/decode_layer.cpp, one per layer: build_decode_layers
 
     def fuse_projections(self) -> None:
         """Merge q/k/v and gate/up weights for inference (after any sharding, before packing)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def build_decode_layers(self) -> bool:
+        """Give each layer its C++ DecodeLayer (the whole layer of a decode or verify step in one
+        call, bit-identical to the per-op kernel path), where that path runs: projections fused, CPU
+        kernels on, not tensor-parallel (the layers all-reduce between ops). Call after packing."""
+        self.decode_layers = None
+        layers = self.model.layers
+        if not self.cpu_kernels or any(l.self_attn.tp_group is not None or getattr(l.self_attn, "qkv_proj", None) is None
+                                       or getattr(l.mlp, "gate_up_proj", None) is None for l in layers):
+            return False
+        built = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            cpp = torch.classes.tandem.DecodeLayer(attn.num_heads, attn.scale, attn.window or 0,
+                                                   layer.input_layernorm.eps, layer.input_layernorm.offset, mlp.gelu)
+            for which, linear_layer in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                blocks = getattr(linear_layer, "blocks", None)
+                if blocks is not None:
+                    cpp.set_linear(which, blocks.q, blocks.scale_offset, blocks.zero, blocks.rows, None, linear_layer.bias)
+                elif getattr(linear_layer, "skinny", False):
+                    cpp.set_linear(which, None, None, 0, 0, linear_layer.weight.detach(), linear_layer.bias)
+                else:
+                    return False
+            names = ["input_layernorm", "post_attention_layernorm"]
+            if layer.sandwich:
+                names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            qk = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
+            cpp.set_norms([getattr(layer, n).weight.detach() for n in names], *qk)
+            built.append(cpp)
+        self.decode_layers = built
+        return True
 
     def forward(self, tokens: Tensor, positions: Tensor, cache, slots: Tensor,
                 logit_index: Tensor | None = None) -> Tensor:
@@ -322,9 +392,18 @@ class Transformer(nn.Module):
         x = embedding(tokens, m.embed_tokens)
         if self.args.embed_scale != 1.0:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
-        ctx = ForwardContext(self.args, cache, slots, positions, x.dtype)
-        for layer in m.layers:
-            x = layer(x, ctx)
+        kernels = self.cpu_kernels and x.device.type == "cpu" and x.dtype == torch.float32
+        ctx = ForwardContext(self.args, cache, slots.contiguous(), positions.contiguous(), x.dtype, kernels)
+        B, T = tokens.shape
+        if kernels and self.decode_layers is not None and T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS:
+            flat = x.reshape(B * T, -1).contiguous()
+            for i, layer in enumerate(self.decode_layers):
+                cos, sin = ctx.rope[self.args.layer_rope[i]]
+                flat = layer.forward(flat, ctx.positions, ctx.slots, cache.k[i], cache.v[i], cos, sin)
+            x = flat.view(B, T, -1)
+        else:
+            for layer in m.layers:
+                x = layer(x, ctx)
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
-        return linear(m.norm(x), self.lm_head).float()
+        return linear(m.norm(x, kernels), self.lm_head).float()

@@ -1,0 +1,21 @@
+// The CPU kernels one file of csrc/ calls from another (each is also a torch.ops.tandem op).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace tandem {
+
+// skinny_linear.cpp: y = x @ W^T + b for up to 64 rows; W float32 [N, K] or packed blocks
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale_offset, int64_t zero,
+                        int64_t rows, const c10::optional<at::Tensor>& bias);
+
+// decode_ops.cpp: the rest of a decode step's layer
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);
+at::Tensor gated_act(const at::Tensor& gate_up, bool gelu);
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& slots,
+                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
+                            const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                            double eps, double norm_offset, int64_t num_heads, double scale, int64_t window);
+
+}  // namespace tandem

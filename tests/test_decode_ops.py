@@ -1,0 +1,169 @@
+"""The decode layer's CPU kernels (engine/models/csrc/decode_ops.cpp): RMSNorm, gated activations and
+attention with the KV-cache write, against PyTorch references; rows independent of the step's size."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVCache
+from engine.models import build_model, load_state_dict, resolve_model
+from engine.models.linear import pack_linears
+from engine.models.skinny import skinny_kernel_available
+
+pytestmark = pytest.mark.skipif(not skinny_kernel_available(), reason="no AVX-512 or no compiler on this machine")
+
+
+def reference_rms_norm(x, w, eps, offset):
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return h * (offset + w)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # Llama, Gemma
+@pytest.mark.parametrize("n", [64, 576, 100])  # 100: a masked tail
+def test_rms_norm_matches_pytorch_and_rows_are_independent(offset, n):
+    gen = torch.Generator().manual_seed(n)
+    x, w = torch.randn(7, n, generator=gen) * 3, torch.randn(n, generator=gen)
+    out = torch.ops.tandem.rms_norm(x, w, 1e-6, offset)
+    torch.testing.assert_close(out, reference_rms_norm(x, w, 1e-6, offset), rtol=2e-6, atol=2e-6)
+    for r in range(7):
+        assert torch.equal(torch.ops.tandem.rms_norm(x[r:r + 1].clone(), w, 1e-6, offset), out[r:r + 1])
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_activation_matches_pytorch(gelu):
+    gen = torch.Generator().manual_seed(int(gelu))
+    gate_up = torch.randn(5, 2 * 1540, generator=gen) * 4  # 1540: a masked tail
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, -1e30, 1e30, 0.0, -0.0])  # far tails stay finite
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    out = torch.ops.tandem.gated_act(gate_up, gelu)
+    assert torch.isfinite(out).all()
+    # PyTorch's tanh form cancels to 0 where ours keeps a tiny value: absolute tolerance at values ~100
+    torch.testing.assert_close(out, act * up, rtol=1e-5, atol=1e-5)
+
+
+def reference_attention(qkv, positions, slots, k_cache, v_cache, cos, sin, q_norm, k_norm, eps, offset, heads,
+                        scale, window):
+    """Straight from the definitions, one query at a time (writes the caches too)."""
+    B, T = positions.shape
+    hkv, D = k_cache.shape[1], k_cache.shape[3]
+    qkv = qkv.view(B, T, heads + 2 * hkv, D)
+
+    def rope(x, b, t):
+        half = D // 2
+        return x * cos[b, t] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[b, t]
+
+    def norm(x, w):
+        return x if w is None else reference_rms_norm(x, w, eps, offset)
+
+    for b in range(B):
+        for t in range(T):
+            p = positions[b, t]
+            k_cache[slots[b], :, p] = rope(norm(qkv[b, t, heads:heads + hkv], k_norm), b, t)
+            v_cache[slots[b], :, p] = qkv[b, t, heads + hkv:]
+    out = torch.empty(B, T, heads, D)
+    for b in range(B):
+        for t in range(T):
+            p = int(positions[b, t])
+            lo = max(0, p - window + 1) if window else 0
+            for h in range(heads):
+                g = h // (heads // hkv)
+                q = rope(norm(qkv[b, t, h], q_norm), b, t)
+                keys, values = k_cache[slots[b], g, lo:p + 1], v_cache[slots[b], g, lo:p + 1]
+                out[b, t, h] = torch.softmax(keys @ q * scale, -1) @ values
+    return out.view(B * T, heads * D)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,norms,window", [(9, 3, 64, False, 0), (4, 1, 256, True, 0),
+                                                             (4, 2, 32, True, 5), (2, 2, 16, False, 3)])
+def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norms(heads, kv_heads, dim, norms, window):
+    gen = torch.Generator().manual_seed(heads * dim + window)
+    B, T, slots_total, L = 3, 4, 5, 24
+    positions = torch.tensor([[10, 11, 12, 13], [0, 1, 2, 3], [19, 20, 21, 22]])
+    slots = torch.tensor([4, 0, 2])  # not consecutive
+    k_cache, v_cache = torch.randn(2, slots_total, kv_heads, L, dim, generator=gen)  # earlier tokens
+    qkv = torch.randn(B * T, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
+    q_norm, k_norm = (torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)) if norms else (None, None)
+    scale = 1 / math.sqrt(dim)
+    args = (positions, slots)
+    ours_k, ours_v = k_cache.clone(), v_cache.clone()
+    out = torch.ops.tandem.decode_attention(qkv, *args, ours_k, ours_v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads,
+                                            scale, window)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref = reference_attention(qkv, *args, ref_k, ref_v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads, scale, window)
+    torch.testing.assert_close(ours_k, ref_k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours_v, ref_v, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+    # one token at a time from the same caches: every row bit-identical to the 4-token step's
+    k_one, v_one = k_cache.clone(), v_cache.clone()
+    rows = []
+    for t in range(T):
+        step = qkv.view(B, T, -1)[:, t].contiguous()
+        rows.append(torch.ops.tandem.decode_attention(
+            step, positions[:, t:t + 1].contiguous(), slots, k_one, v_one, cos[:, t].contiguous(),
+            sin[:, t].contiguous(), q_norm, k_norm, 1e-6, 1.0, heads, scale, window))
+    assert torch.equal(torch.stack(rows, 1).view(B * T, -1), out)
+    assert torch.equal(k_one, ours_k) and torch.equal(v_one, ours_v)
+
+
+def test_attention_refuses_positions_and_slots_outside_the_cache():
+    k_cache, v_cache = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)
+    qkv, trig = torch.zeros(1, 3 * 16), torch.zeros(1, 1, 16)
+    for positions, slots, match in [([[8]], [0], "position"), ([[-1]], [0], "position"), ([[0]], [2], "slot")]:
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.tandem.decode_attention(qkv, torch.tensor(positions), torch.tensor(slots), k_cache, v_cache,
+                                              trig, trig, None, None, 1e-6, 0.0, 1, 0.25, 0)
+
+
+@pytest.mark.parametrize("name", ["random:tiny-llama", "random:tiny-qwen3", "random:tiny-gemma3"])
+def test_a_model_on_the_kernels_matches_its_pytorch_path(name):
+    """Prefill, then decode and verify-sized steps (tiny-gemma3: sliding window 8), both paths."""
+    config, state = load_state_dict(resolve_model(name))
+    model = build_model(config, state)
+    model.fuse_projections()
+    pack_linears(model)
+    assert model.cpu_kernels
+    a = model.args
+    ids = torch.randint(3, a.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for kernels in (True, False):
+        model.cpu_kernels = kernels
+        cache = KVCache(a.num_layers, 3, 40, a.num_kv_heads, a.head_dim, torch.float32)
+        slots = torch.tensor([2, 0])
+        with torch.no_grad():
+            steps = [model(ids[:, :20], torch.arange(20).expand(2, -1), cache, slots)]
+            steps += [model(ids[:, p:p + 1], torch.tensor([[p], [p]]), cache, slots) for p in range(20, 25)]
+            steps.append(model(ids[:, 25:30], torch.arange(25, 30).expand(2, -1), cache, slots))
+        outs[kernels] = torch.cat(steps, 1)
+    rel = (outs[True] - outs[False]).abs().max() / outs[False].abs().max()
+    assert rel < 1e-5, f"max relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("name", ["random:tiny-llama", "random:tiny-qwen3", "random:tiny-gemma3",
+                                  "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_whole_layers_in_one_call_give_the_per_op_kernel_path_bit_for_bit(name):
+    """csrc/decode_layer.cpp runs the same kernels in the same order: decode and verify steps,
+    dense float32 weights (the random models) and packed GGUF blocks (SmolLM2)."""
+    from engine.worker import ModelWorker
+
+    worker = ModelWorker(resolve_model(name), 3, 48, torch.float32)
+    model = worker.model
+    assert model.decode_layers is not None and len(model.decode_layers) == model.args.num_layers
+    ids = torch.randint(3, min(1000, model.args.vocab_size), (2, 30), generator=torch.Generator().manual_seed(1))
+    layers = model.decode_layers
+    outs = {}
+    for whole in (True, False):
+        model.decode_layers = layers if whole else None
+        worker.cache.k = [t.zero_() for t in worker.cache.k]
+        slots = torch.tensor([2, 1])
+        with torch.no_grad():
+            steps = [model(ids[:, :20], torch.arange(20).expand(2, -1), worker.cache, slots)]
+            steps += [model(ids[:, p:p + 1], torch.tensor([[p], [p]]), worker.cache, slots) for p in range(20, 24)]
+            steps.append(model(ids[:, 24:30], torch.arange(24, 30).expand(2, -1), worker.cache, slots))
+        outs[whole] = torch.cat(steps, 1)
+    assert torch.equal(outs[True].view(torch.int32), outs[False].view(torch.int32))
