@@ -38,6 +38,15 @@ class Verifier:
         apply_penalties(flat, batch.sampling, firsts, [k + 1 for k in counts], row_drafts)
         # rows that report log-probabilities: their positions, kept before sampling overwrites flat
         lp_rows = [b for b in range(B) if params[b].logprobs is not None]
+        if not any(counts) and not lp_rows and self.method != "synthetic" and all(x.greedy for x in params):
+            # plain greedy step: the token is the argmax (what sampling the one-hot distribution gives)
+            out = [[t] for t in flat.argmax(-1).tolist()]
+            errors = {}
+            if drafts is not None:
+                for b in range(B):
+                    if batch.slots[b] in drafts.errors:
+                        errors[b], out[b] = drafts.errors[batch.slots[b]], []
+            return VerifyOutput(tokens=out, num_accepted=[0] * B, errors=errors, logprobs={})
         lp_logits = None
         if lp_rows:
             lp_index = [firsts[b] + j for b in lp_rows for j in range(counts[b] + 1)]
