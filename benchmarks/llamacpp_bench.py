@@ -1,17 +1,20 @@
 """Tandem against llama.cpp on the same GGUF files, the same threads, in one run, taking turns.
 
     bash benchmarks/llamacpp_setup.sh                          # once: builds llama-bench, llama-speculative
-    .venv/bin/python benchmarks/llamacpp_bench.py [--tokens 128] [--rounds 3] [--threads 2]
+    .venv/bin/python benchmarks/llamacpp_bench.py [--tokens 128] [--rounds 5] [--threads 2]
 
 Rows (greedy, batch 1, decode rate: tokens after the first / their time, as llama-bench's tg):
 - plain decoding, SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M (the embedded files): llama-bench tg vs
-  Tandem `LLM.generate` (GGUF weights as int8 blocks), plus Tandem's forward-only rate (model steps/s
+  Tandem `LLM.generate` (GGUF weights as packed blocks), plus Tandem's forward-only rate (model steps/s
   at batch 1): generate / forward is the engine's per-token overhead;
 - speculative: SmolLM2 F32 target <- SmolLM2 Q4_1 draft, K=3 (llama-speculative; the F32 file made
   by llama-quantize from the Q4_1 one) vs Tandem with the same two files;
 - Tandem's default app (serve_config.yaml's engine: Gemma 3 <- SmolLM2, TLI; llama.cpp refuses that
   pair) vs llama.cpp's plain Gemma.
-Each row alternates llama.cpp and Tandem `--rounds` times; the median of each side is reported.
+Each row alternates llama.cpp and Tandem `--rounds` times. Reported: the median of each side and, as the
+ratio, the median of the rounds' own ratios (each round's two runs are back to back; this machine has
+slow and fast phases of +-20% that a ratio of medians would mix). Engine overhead likewise per round:
+1 - generate rate / forward rate, the forward measured right after that round's generate.
 Writes benchmarks/results/llamacpp_bench.json.
 """
 from __future__ import annotations
@@ -102,7 +105,7 @@ def turns(rounds: int, llama, tandem) -> tuple[list, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=3)
     args = ap.parse_args()
@@ -124,7 +127,7 @@ def main() -> None:
     def record(name: str, llama: list[float], tandem: list[float], **extra) -> None:
         row = {"row": name, "llama_cpp_tok_s": statistics.median(llama), "tandem_tok_s": statistics.median(tandem),
                "llama_cpp_runs": llama, "tandem_runs": tandem, **extra}
-        row["ratio"] = row["tandem_tok_s"] / row["llama_cpp_tok_s"]
+        row["ratio"] = statistics.median(t / l for t, l in zip(tandem, llama))
         rows.append(row)
         print(f"{name:<44} llama.cpp {row['llama_cpp_tok_s']:7.1f}  Tandem {row['tandem_tok_s']:7.1f} tok/s  "
               f"Tandem/llama.cpp {row['ratio']:.2f}x" + "".join(f"  {k} {v}" for k, v in extra.items()), flush=True)
@@ -132,11 +135,16 @@ def main() -> None:
     for label, path in (("SmolLM2-135M Q4_1", smollm2), ("Gemma-3-270M Q4_K_M", gemma)):
         llm = LLM(model=str(path), max_model_len=1024)
         tandem_rate(llm, 8)  # warm-up
-        llama, tandem = turns(args.rounds, lambda: llama_bench(path, args.tokens, args.threads),
-                              lambda: tandem_rate(llm, args.tokens))
-        forward = statistics.median(forward_rate(llm, args.tokens) for _ in range(args.rounds))
-        overhead = 1 - statistics.median(tandem) / forward
-        record(f"plain {label}", llama, tandem, forward_tok_s=round(forward, 1), engine_overhead=round(overhead, 3))
+        forwards: list[float] = []
+
+        def generate_then_forward() -> float:
+            rate = tandem_rate(llm, args.tokens)
+            forwards.append(forward_rate(llm, args.tokens))
+            return rate
+        llama, tandem = turns(args.rounds, lambda: llama_bench(path, args.tokens, args.threads), generate_then_forward)
+        overhead = statistics.median(1 - t / f for t, f in zip(tandem, forwards))
+        record(f"plain {label}", llama, tandem, forward_tok_s=round(statistics.median(forwards), 1),
+               engine_overhead=round(overhead, 3))
         del llm
 
     f32 = f32_copy(smollm2)
