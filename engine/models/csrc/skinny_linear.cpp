@@ -99,10 +99,10 @@ struct BlockRows {
     pair(so + (g0 * NR + j) * kPairBytes, scale, offset);
     const uint8_t* qs = q + (s * NR + j) * kSpanBytes;
     if (Nibbles) {
-      const __m128i b = _mm_loadu_si128((const __m128i*)qs);
-      const __m128i low = _mm_set1_epi8(0x0F);
-      const __m512i i0 = _mm512_cvtepu8_epi32(_mm_and_si128(b, low));
-      const __m512i i1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+      // vpermps reads the low 4 bits of each index: the byte widened is the low nibble's index as
+      // it is, shifted right by 4 the high one's (no masking)
+      const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+      const __m512i i1 = _mm512_srli_epi32(i0, 4);
       const __m512 table = expand(levels, scale, offset);
       w0 = _mm512_permutexvar_ps(i0, table);
       if (g1 != g0) {
