@@ -166,6 +166,40 @@ def drafting_can_pay(costs: CostModel, k_max: int) -> bool:
     return ratios is None or choose_k(1.0, *ratios, k_max, costs.step_overhead(), costs.parallel) > 0
 
 
+class SpeculationGate:
+    """Which new requests get a draft at all (adaptive K). Where the engine's measured acceptance over
+    recent requests, plus MARGIN for a request unlike them, would make no K pay at the costs measured
+    at batch 1 (the batch where drafting pays most on a CPU), a request runs as in plain decoding: no
+    draft prefill, no drafts, no probes. Per-request probing alone cost 3-6% of plain throughput with
+    a draft that never pays (the default app on a CPU). One request in `every` still drafts (adaptively)
+    so that the verdict can change; `every` doubles while it holds, MIN_EVERY ... MAX_EVERY, and a
+    verdict that drafting may pay lets every request draft again."""
+
+    MARGIN = 0.1
+    MIN_EVERY, MAX_EVERY = 4, 64
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.every, self.skipped = self.MIN_EVERY, 0
+
+    def admit(self, acceptance: AcceptanceEstimate, costs: BatchCosts, batch: int) -> bool:
+        """Whether the request admitted now, joining a batch of `batch` rows, may draft."""
+        measured = costs.by_bucket.get(1)
+        model = measured if measured is not None and measured.ratios() is not None else costs.for_batch(batch)
+        ratios = model.ratios()
+        if ratios is None:  # not measured yet: draft, and measure
+            return True
+        alpha = min(1.0, acceptance.alpha + self.MARGIN)
+        if choose_k(alpha, *ratios, self.k_max, model.step_overhead(), model.parallel) > 0:
+            self.every, self.skipped = self.MIN_EVERY, 0
+            return True
+        self.skipped += 1
+        if self.skipped < self.every:
+            return False
+        self.every, self.skipped = min(self.MAX_EVERY, 2 * self.every), 0
+        return True
+
+
 def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> int:
     ratios = costs.ratios()
     if ratios is None:  # not measured yet: measure a plain step first, then a full draft

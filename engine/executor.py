@@ -193,8 +193,10 @@ class LocalExecutor:
     def _ranks(self):
         return [r for r in (self.target, self.draft) if r is not None]
 
-    def add_request(self, request_id: str, seed: int) -> None:
-        for r in self._ranks():
+    def add_request(self, request_id: str, seed: int, draft: bool = True) -> None:
+        """Per-request state (its random streams) on the target, and on the draft unless the request
+        will never draft (draft=False: adaptive K found drafting can't pay)."""
+        for r in self._ranks() if draft else [self.target]:
             r.add_request(request_id, seed)
 
     def remove_request(self, request_id: str) -> None:
@@ -283,6 +285,7 @@ class RayExecutor:
         self.config, self.cache_len, self.target_vocab = config, cache_len, target_vocab
         self.vocab_mapping, self.timeout_s = vocab_mapping, timeout_s
         self._ahead = None  # ObjectRef: the last step's draft-ahead blocks, whole, for the next verify
+        self._with_draft: set[str] = set()  # requests the draft group holds state for
         self._start()
 
     def _start(self) -> None:
@@ -387,11 +390,16 @@ class RayExecutor:
     def _all(self):
         return self.target + self.draft  # a colocated draft's handles reach the target actors' draft_ calls
 
-    def add_request(self, request_id: str, seed: int) -> None:
-        self._get([r.add_request.remote(request_id, seed) for r in self._all()])
+    def add_request(self, request_id: str, seed: int, draft: bool = True) -> None:
+        """As InProcessExecutor.add_request; a request that never drafts costs the draft group no call."""
+        if draft:
+            self._with_draft.add(request_id)
+        self._get([r.add_request.remote(request_id, seed) for r in (self._all() if draft else self.target)])
 
     def remove_request(self, request_id: str) -> None:
-        self._get([r.remove_request.remote(request_id) for r in self._all()])
+        ranks = self._all() if request_id in self._with_draft else self.target
+        self._with_draft.discard(request_id)
+        self._get([r.remove_request.remote(request_id) for r in ranks])
 
     def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None,
                 scored: tuple[int, int] | None = None):

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from engine.adaptive import AcceptanceEstimate, AheadPolicy, BatchCosts, adaptive_k
+from engine.adaptive import AcceptanceEstimate, AheadPolicy, BatchCosts, SpeculationGate, adaptive_k
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
 from engine.metrics import EngineCounters, SpecDecodeStats
@@ -77,6 +77,7 @@ class Scheduler:
         self.costs = BatchCosts(self.spec.num_speculative_tokens, parallel=self.spec.parallel_drafting) \
             if self.spec else None
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
+        self.gate = SpeculationGate(self.spec.num_speculative_tokens) if self.spec and self.spec.adaptive else None
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
         self.ahead_policy = AheadPolicy()
@@ -178,7 +179,8 @@ class Scheduler:
             seq.ahead = None  # used now or never: the draft cache moves on either way
         self.ahead_used += sum(1 for blk in blocks if blk)
         # whether drafting can pay at this batch size: once per round, not per row
-        pays = self.spec is not None and self.spec.adaptive and self.costs.can_pay(len(rows))
+        pays = self.spec is not None and self.spec.adaptive and any(seq.draft_cached >= 0 for seq in rows) \
+            and self.costs.can_pay(len(rows))
         ks = [len(blk) if blk else self._num_drafts(seq, len(rows), pays) for seq, blk in zip(rows, blocks)]
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
@@ -351,11 +353,14 @@ class Scheduler:
             self.counters.num_prompt_tokens += len(seq.prompt_ids)
             self.running.append(seq)  # from here on a failure ends it like any running sequence
             try:
-                self.executor.add_request(seq.request_id, seq.seed)
+                gated = self.gate is not None and not self.gate.admit(self.acceptance, self.costs, len(self.running))
+                if self.spec is None or gated:  # gated: drafting can't pay at the acceptance measured
+                    seq.draft_cached = -1  # never drafts: no draft state, prefill or probes
+                self.executor.add_request(seq.request_id, seq.seed, draft=seq.draft_cached >= 0)
                 prefix = seq.prompt_ids[:-1]  # the last prompt token is fed by the first step
-                if self.vocab_mapping is not None:  # the draft reads the same text in its own tokens
+                if seq.draft_cached >= 0 and self.vocab_mapping is not None:  # the draft reads the text in its tokens
                     seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
-                else:
+                elif seq.draft_cached >= 0:
                     seq.draft_ids = list(seq.prompt_ids)
                 draft_prefix = seq.draft_ids[:-1]
                 if self.spec is not None and self.spec.adaptive and not self.costs.can_pay(len(self.running)):
@@ -437,8 +442,9 @@ class Scheduler:
                 break
         if not p.stop:
             self._detokenize(seq)
-        added = seq.output_ids[start:]
-        seq.draft_ids.extend(self.vocab_mapping.to_draft(added) if self.vocab_mapping else added)
+        if seq.draft_cached >= 0:  # the draft's view, for a request that may draft
+            added = seq.output_ids[start:]
+            seq.draft_ids.extend(self.vocab_mapping.to_draft(added) if self.vocab_mapping else added)
 
     def _detokenize(self, seq: Sequence) -> None:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)

@@ -1,6 +1,7 @@
 """Adaptive speculation: K per request per step, within num_speculative_tokens, 0 when drafts fail."""
 from engine import LLM, SamplingParams
-from engine.adaptive import AcceptanceEstimate, BatchCosts, CostModel, adaptive_k, choose_k, expected_tokens
+from engine.adaptive import AcceptanceEstimate, BatchCosts, CostModel, SpeculationGate, adaptive_k, choose_k, \
+    expected_tokens
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 
@@ -113,3 +114,42 @@ def test_cost_model_measures_step_overhead():
     costs.observe(0, 0.0, 0.100, step_s=0.120)
     costs.observe(2, 0.020, 0.110, step_s=0.150)
     assert abs(costs.step_overhead() - 0.2) < 1e-9  # median of 20 ms and 20 ms over a 100 ms step
+
+
+def test_gate_turns_drafting_off_for_new_requests_where_it_cannot_pay_and_keeps_exploring():
+    costs, gate = BatchCosts(3), SpeculationGate(3)
+    low = AcceptanceEstimate(accepted=0.2, trials=2.0)  # a = 0.1
+    assert gate.admit(low, costs, 1)  # nothing measured: draft, and measure
+    costs.for_batch(1).observe(0, 0.0, 0.100)
+    costs.for_batch(1).observe(3, 0.150, 0.110)  # a draft step costs half a target step
+    admitted = [gate.admit(low, costs, 1) for _ in range(4 + 8 + 16 + 32 + 64 + 64)]
+    # explorers after 3, 7, 15, 31, 63 and then every 64th skipped request
+    assert [i for i, a in enumerate(admitted) if a] == [3, 11, 27, 59, 123, 187]
+    high = AcceptanceEstimate(accepted=1.8, trials=2.0)  # a = 0.9: K > 0 pays
+    assert gate.admit(high, costs, 1) and gate.every == SpeculationGate.MIN_EVERY
+    assert all(gate.admit(high, costs, 1) for _ in range(10))
+
+
+def test_gate_judges_by_batch_one_costs_when_measured():
+    costs, gate = BatchCosts(3), SpeculationGate(3)
+    costs.for_batch(1).observe(0, 0.0, 0.100)
+    costs.for_batch(1).observe(3, 0.030, 0.105)  # cheap drafts at batch 1
+    costs.for_batch(8).observe(0, 0.0, 0.200)
+    costs.for_batch(8).observe(3, 0.300, 0.700)  # hopeless at batch 8
+    fair = AcceptanceEstimate(accepted=1.2, trials=2.0)  # a = 0.6
+    assert all(gate.admit(fair, costs, 8) for _ in range(8))  # it pays somewhere: keep drafting
+
+
+def test_requests_after_a_losing_draft_run_as_plain_decoding():
+    """Gemma 3 <- SmolLM2 at a synthetic acceptance of 0.1: after the first request has measured,
+    requests run without drafting (no draft prefill, no probes) but for an explorer now and then:
+    in one process because not even accepted drafts pay here (BatchCosts.can_pay), behind Ray actors
+    (where they may) because the acceptance measured can't pay (SpeculationGate, tested above)."""
+    llm = LLM(model="google/gemma-3-270m", max_model_len=256, speculative_config={
+        "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "num_speculative_tokens": 3, "adaptive": True,
+        "use_heterogeneous_vocab": True,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.1] * 3})
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    drafted = [llm.generate("The history of", params)[0].spec_decode_stats.num_drafts > 0 for _ in range(10)]
+    assert drafted[0]  # the first request measures
+    assert sum(drafted[1:]) <= 2, drafted
