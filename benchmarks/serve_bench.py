@@ -6,7 +6,9 @@ and the same prompts through an in-process engine, in alternating batches of one
     .venv/bin/python benchmarks/serve_bench.py --vs-plain --concurrency 1 4 8
 
 --vs-plain: the default application against the same application without speculation (a second
-Serve app at /plain), both over HTTP, taking turns; reports each one's output tokens/s and the ratio.
+Serve app at /plain), both over HTTP, taking turns; reports each one's output tokens/s and, as the
+ratio, the median of each round's own ratio (its two batches back to back: the machine's slow and
+fast phases cancel) with their range.
 
 Without --url it starts the application of serve_config.yaml in this process's Ray cluster on a
 free port. Reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request and
@@ -206,6 +208,10 @@ def main() -> None:
                                              sum(b["wall"] for b in batches))
         if runs.get("engine"):
             results.setdefault("paired", {})[c] = paired(runs["http"], runs["engine"])
+        if runs.get("plain"):  # each round's own ratio: its two batches ran back to back
+            results.setdefault("round_ratios", {})[c] = [
+                summarize(h["records"], h["wall"])["output_throughput"] / summarize(p["records"], p["wall"])["output_throughput"]
+                for h, p in zip(runs["http"], runs["plain"])]
     results["acceptance"] = acceptance(url)
     if engine is not None:
         engine.shutdown()
@@ -218,17 +224,18 @@ def main() -> None:
     print(f"{'path':<8}{'C':>3}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}"
           f"{'req/s':>7}{'tok/s':>7}")
     for path, by_c in results.items():
-        if path in ("acceptance", "paired", "speculative_over_plain"):
+        if path in ("acceptance", "paired", "speculative_over_plain", "round_ratios"):
             continue
         for c, r in by_c.items():
             print(f"{path:<8}{c:>3}{r['ttft_ms']['p50']:>10.1f}{r['ttft_ms']['p99']:>10.1f}{r['tpot_ms']['p50']:>10.1f}"
                   f"{r['itl_ms'].get('p50', 0):>9.1f}{r['e2e_ms']['p50']:>10.1f}{r['request_throughput']:>7.2f}"
                   f"{r['output_throughput']:>7.1f}")
     if args.vs_plain:
-        ratios = {c: results["http"][c]["output_throughput"] / results["plain"][c]["output_throughput"]
-                  for c in args.concurrency}
+        ratios = {c: statistics.median(results["round_ratios"][c]) for c in args.concurrency}
         results["speculative_over_plain"] = ratios
-        print("default app / plain, output tokens/s: " + ", ".join(f"C={c} {r:.2f}x" for c, r in ratios.items()))
+        print("default app / plain, output tokens/s, median of the rounds' ratios (range): " + ", ".join(
+            f"C={c} {r:.2f}x ({min(results['round_ratios'][c]):.2f}-{max(results['round_ratios'][c]):.2f})"
+            for c, r in ratios.items()))
     elif results["engine"]:
         h, e = results["http"][args.concurrency[0]], results["engine"][args.concurrency[0]]
         p = results["paired"][args.concurrency[0]]

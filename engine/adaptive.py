@@ -172,8 +172,9 @@ class SpeculationGate:
     at batch 1 (the batch where drafting pays most on a CPU), a request runs as in plain decoding: no
     draft prefill, no drafts, no probes. Per-request probing alone cost 3-6% of plain throughput with
     a draft that never pays (the default app on a CPU). One request in `every` still drafts (adaptively)
-    so that the verdict can change; `every` doubles while it holds, MIN_EVERY ... MAX_EVERY, and a
-    verdict that drafting may pay lets every request draft again."""
+    so that the verdict can change, if it runs alone (a probe in a larger batch costs the whole batch
+    a step; acceptance is the same at any batch size); `every` doubles while the verdict holds,
+    MIN_EVERY ... MAX_EVERY, and a verdict that drafting may pay lets every request draft again."""
 
     MARGIN = 0.1
     MIN_EVERY, MAX_EVERY = 4, 64
@@ -194,7 +195,7 @@ class SpeculationGate:
             self.every, self.skipped = self.MIN_EVERY, 0
             return True
         self.skipped += 1
-        if self.skipped < self.every:
+        if self.skipped < self.every or batch > 1:
             return False
         self.every, self.skipped = min(self.MAX_EVERY, 2 * self.every), 0
         return True

@@ -125,6 +125,8 @@ def test_gate_turns_drafting_off_for_new_requests_where_it_cannot_pay_and_keeps_
     admitted = [gate.admit(low, costs, 1) for _ in range(4 + 8 + 16 + 32 + 64 + 64)]
     # explorers after 3, 7, 15, 31, 63 and then every 64th skipped request
     assert [i for i, a in enumerate(admitted) if a] == [3, 11, 27, 59, 123, 187]
+    assert not any(gate.admit(low, costs, 4) for _ in range(200))  # explorers run alone only
+    assert gate.admit(low, costs, 1)
     high = AcceptanceEstimate(accepted=1.8, trials=2.0)  # a = 0.9: K > 0 pays
     assert gate.admit(high, costs, 1) and gate.every == SpeculationGate.MIN_EVERY
     assert all(gate.admit(high, costs, 1) for _ in range(10))
