@@ -161,14 +161,16 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
         B, T, _ = x.shape
-        if ctx.cpu_kernels and T <= SMALL_QUERY_ROWS and getattr(self, "qkv_proj", None) is not None:  # one op from q|k|v to the attention output
+        if ctx.cpu_kernels and T <= SMALL_QUERY_ROWS and getattr(self, "qkv_proj", None) is not None:
+            # one kernel from q|k|v to the attention output: norms, rotary, the cache write, attention
             qkv = linear(x, self.qkv_proj).view(B * T, -1)
             cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-            norm = self.q_norm or self.k_norm
+            qk = self.q_norm is not None
             out = torch.ops.tandem.decode_attention(
-                qkv, ctx.positions, ctx.slots, ctx.cache.k[self.layer], ctx.cache.v[self.layer], cos, sin, *norms,
-                norm.eps if norm else 0.0, norm.offset if norm else 0.0, self.num_heads, self.scale, self.window or 0)
+                qkv, ctx.positions, ctx.slots, ctx.cache.k[self.layer], ctx.cache.v[self.layer], cos, sin,
+                self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
+                self.q_norm.eps if qk else 0.0, self.q_norm.offset if qk else 0.0, self.num_heads, self.scale,
+                self.window or 0)
             return self._project_out(out.view(B, T, -1))
         if getattr(self, "qkv_proj", None) is not None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
