@@ -68,12 +68,15 @@ struct DecodeLayer : torch::CustomClassHolder {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin) {
     TORCH_CHECK(!norms.empty(), "DecodeLayer: set_norms first");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+                "DecodeLayer: x must be a contiguous float32 [rows, hidden] tensor");
     const bool sandwich = norms.size() == 4;
     const at::Tensor qkv = linears[QKV](rms_norm(x, norms[0], eps, norm_offset));
     const at::Tensor attn = decode_attention(qkv, positions, slots, k_cache, v_cache, cos, sin, q_norm, k_norm, eps,
                                              norm_offset, heads, scale, window);
     at::Tensor out = linears[O](attn);
     if (sandwich) out = rms_norm(out, norms[1], eps, norm_offset);
+    TORCH_CHECK(out.sizes() == x.sizes(), "DecodeLayer: o_proj does not map back to the hidden size");
     add_into(out, x);  // x + attention (the same sum either way round)
     const at::Tensor h = rms_norm(out, norms[sandwich ? 2 : 1], eps, norm_offset);
     at::Tensor mlp = linears[DOWN](gated_act(linears[GATE_UP](h), gelu));
