@@ -175,6 +175,8 @@ class DraftHandle:
 
 
 class LocalExecutor:
+    overlaps_groups = False  # one process: the draft runs after the verify, never beside it
+
     def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None):
         self.target = GroupRank("target", config, cache_len, target_vocab)
@@ -275,6 +277,8 @@ def init_ray(config: EngineConfig, **kwargs) -> None:
 
 class RayExecutor:
     """Target and draft groups as Ray actors, one per tensor-parallel rank."""
+
+    overlaps_groups = True  # the draft group's calls run beside the target's (draft_ahead needs separate)
 
     def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None, timeout_s: float = 600.0):

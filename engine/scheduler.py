@@ -13,7 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from engine.adaptive import AcceptanceEstimate, AheadPolicy, BatchCosts, SpeculationGate, adaptive_k
+from engine.adaptive import AcceptanceEstimate, BatchCosts, SpeculationGate, adaptive_k
+from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
 from engine.metrics import EngineCounters, SpecDecodeStats
@@ -80,7 +81,8 @@ class Scheduler:
         self.gate = SpeculationGate(self.spec.num_speculative_tokens) if self.spec and self.spec.adaptive else None
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
-        self.ahead_policy = AheadPolicy()
+        # in one process the groups take turns: drafting ahead can't overlap anything there
+        self.ahead_policy = AheadPolicy(overlaps=executor.overlaps_groups)
         self.ahead_drafted = self.ahead_used = 0  # draft-ahead blocks drafted / verified next step
         self._synthetic_rng = random.Random(config.seed)
         self.executor_down = False  # the groups failed: the next step rebuilds them first
@@ -173,7 +175,7 @@ class Scheduler:
 
     def _round(self, rows: list[Sequence]) -> list[Sequence]:
         start = time.perf_counter()
-        ahead_on = self.spec is not None and self.spec.draft_ahead and self.ahead_policy.use()
+        ahead_on = self.spec is not None and self.spec.draft_ahead and self.ahead_policy.use(len(rows))
         blocks = [self._ahead_block(seq) if ahead_on else None for seq in rows]
         for seq in rows:
             seq.ahead = None  # used now or never: the draft cache moves on either way
@@ -252,8 +254,12 @@ class Scheduler:
             # a draft's time includes catching up on the tokens it missed (plain steps before a
             # probe): a real cost of drafting now and then, which keeps the policy from flapping
             self.costs.for_batch(len(ks)).observe(max(ks), result.draft_elapsed_s, result.elapsed_s, elapsed)
-        if self.spec is not None and self.spec.draft_ahead:
-            self.ahead_policy.observe(ahead_on, sum(len(t) for t in result.tokens), elapsed)
+        if self.spec is not None and self.spec.draft_ahead and max(ks) > 0:
+            self.ahead_policy.observe(len(rows), AheadRound(
+                ahead=ahead is not None, fresh=draft is not None, drafts=max(ks), draft_s=result.draft_elapsed_s,
+                verify_s=result.elapsed_s, ahead_s=result.ahead.elapsed_s if result.ahead is not None else 0.0,
+                wall_s=elapsed, all_accepted=all(result.num_accepted[b] == k for b, k in enumerate(ks)
+                                                 if k > 0 and b not in result.errors)), self.acceptance.alpha)
         return rows
 
     def _ahead_block(self, seq: Sequence) -> list[int] | None:

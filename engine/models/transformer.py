@@ -10,6 +10,7 @@ On CPU in float32, once `pack_linears` has run, the ops between linears run on o
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -306,10 +307,8 @@ class ForwardContext:
                  cpu_kernels: bool = False):
         self.cache, self.slots, self.positions = cache, slots, positions  # slots [B], positions [B, T]
         self.cpu_kernels = cpu_kernels
-        self.read_slots = slot_rows(slots)
         self.layer_rope = args.layer_rope
-        self.key_len = int(positions.max()) + 1
-        self._global_mask: Tensor | None = None  # built on first use: the C++ layers need none
+        self._global_mask: Tensor | None = None
         self._window_masks: dict[int, Tensor] = {}
         self.rope = {}
         for kind, freq in args.rope_inv_freq.items():
@@ -318,6 +317,15 @@ class ForwardContext:
             emb = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
             s = args.rope_scaling[kind]
             self.rope[kind] = ((emb.cos() * s).to(dtype), (emb.sin() * s).to(dtype))
+
+    # read_slots, key_len and the masks: on first use (the C++ decode layers need none of them)
+    @functools.cached_property
+    def read_slots(self) -> slice | Tensor:
+        return slot_rows(self.slots)
+
+    @functools.cached_property
+    def key_len(self) -> int:
+        return int(self.positions.max()) + 1
 
     @property
     def global_mask(self) -> Tensor:
