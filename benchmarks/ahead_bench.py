@@ -65,10 +65,13 @@ def run_pair(target: str, spec: dict, prompts: list[str], max_tokens: int, tempe
     times.rows = {True: [], False: [], None: []}
     totals = {True: [0, 0.0, 0], False: [0, 0.0, 0], None: [0, 0.0, 0]}  # tokens, seconds, steps
     per_prompt = {True: [], False: [], None: []}  # tokens/s of each mode's turn, prompt by prompt
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     times.auto = AheadPolicy()
+    rounds = {}  # (prompt, mode) -> rounds
     modes = [False, True, None]
     for i, prompt in enumerate(prompts):
+        # one seed per prompt: every mode draws the same acceptances (the target's uniforms), so a
+        # prompt's turns take the same rounds and their ratio is all timing, not the luck of the draw
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=1000 + i)
         for mode in modes[i % 3:] + modes[: i % 3]:
             llm.scheduler.ahead_policy = times.auto if mode is None else AheadPolicy(fixed=mode)
             before = len(times.rows[mode])
@@ -78,7 +81,8 @@ def run_pair(target: str, spec: dict, prompts: list[str], max_tokens: int, tempe
             totals[mode][0] += len(out.token_ids)
             totals[mode][1] += seconds
             per_prompt[mode].append(len(out.token_ids) / seconds)
-            totals[mode][2] += len(times.rows[mode]) - before
+            rounds[i, mode] = len(times.rows[mode]) - before
+            totals[mode][2] += rounds[i, mode]
     used, drafted = llm.scheduler.ahead_used, llm.scheduler.ahead_drafted
     llm.core.shutdown()
 
@@ -101,6 +105,9 @@ def run_pair(target: str, spec: dict, prompts: list[str], max_tokens: int, tempe
             "speedup": statistics.median(ahead_ratios), "speedup_range": [min(ahead_ratios), max(ahead_ratios)],
             "auto": statistics.median(auto_ratios), "auto_range": [min(auto_ratios), max(auto_ratios)],
             "auto_rounds_ahead": times.auto.rounds[True] / max(1, sum(times.auto.rounds.values())),
+            "same_rounds_every_mode": all(rounds[i, m] == rounds[i, False] for i in range(len(prompts))
+                                          for m in modes),
+            "rounds": {"sequential": totals[False][2], "ahead": totals[True][2], "auto": totals[None][2]},
             "draft_ms": d * 1e3, "verify_ms": v * 1e3, "ahead_ms": a * 1e3, "other_ms": other * 1e3,
             "verify_overlapped_ms": v_ahead * 1e3, "executor_step_ms": {"sequential": wall_seq * 1e3,
                                                                        "ahead": wall_ahead * 1e3},
@@ -136,7 +143,9 @@ def main() -> None:
             r.update(pair=f"{args.target} <- {args.draft}".replace("random:", ""), alpha=alpha, k=k,
                      predicted=predicted(r.pop("_parts"), alpha ** (k + 1)))
             rows.append(r)
-            print(f"a={alpha} K={k}: {r['speedup']:.2f}x (predicted {r['predicted']:.2f}x), auto {r['auto']:.2f}x",
+            print(f"a={alpha} K={k}: {r['speedup']:.2f}x (predicted {r['predicted']:.2f}x), auto {r['auto']:.2f}x "
+                  f"({r['auto_rounds_ahead']:.0%} of its rounds ahead); same rounds in every mode: "
+                  f"{r['same_rounds_every_mode']}",
                   flush=True)
     if not args.no_real:
         for k in args.ks:
@@ -147,16 +156,18 @@ def main() -> None:
             r.update(pair="gemma-3-270m <- SmolLM2-135M (TLI)", alpha=None, k=k,
                      predicted=predicted(parts, r["blocks_used"]))
             rows.append(r)
-            print(f"real K={k}: {r['speedup']:.2f}x (predicted {r['predicted']:.2f}x), auto {r['auto']:.2f}x", flush=True)
+            print(f"real K={k}: {r['speedup']:.2f}x (predicted {r['predicted']:.2f}x), auto {r['auto']:.2f}x "
+                  f"({r['auto_rounds_ahead']:.0%} of its rounds ahead)", flush=True)
 
     print(f"\n{'pair':<36}{'a':>5}{'K':>3}{'seq tok/s':>10}{'ahead tok/s':>12}{'speedup':>8}{'bound':>7}{'auto':>7}"
-          f"{'of bound':>9}{'D ms':>7}{'V ms':>7}{'V|A ms':>7}{'A ms':>7}{'used':>6}")
+          f"{'ahead%':>7}{'of bound':>9}{'D ms':>7}{'V ms':>7}{'V|A ms':>7}{'A ms':>7}{'used':>6}")
     for r in rows:
         speedup = r["speedup"]
         r["of_bound"] = speedup / r["predicted"]
         alpha = f"{r['alpha']:.1f}" if r["alpha"] is not None else "real"
         print(f"{r['pair']:<36}{alpha:>5}{r['k']:>3}{r['seq_tok_s']:>10.2f}{r['ahead_tok_s']:>12.2f}"
-              f"{speedup:>7.2f}x{r['predicted']:>6.2f}x{r['auto']:>6.2f}x{r['of_bound']:>8.0%}{r['draft_ms']:>7.0f}{r['verify_ms']:>7.0f}"
+              f"{speedup:>7.2f}x{r['predicted']:>6.2f}x{r['auto']:>6.2f}x{r['auto_rounds_ahead']:>7.0%}"
+              f"{r['of_bound']:>8.0%}{r['draft_ms']:>7.0f}{r['verify_ms']:>7.0f}"
               f"{r['verify_overlapped_ms']:>7.0f}{r['ahead_ms']:>7.0f}{r['blocks_used']:>6.0%}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ahead_bench.json").write_text(json.dumps({"max_tokens": args.max_tokens, "prompts": len(prompts),

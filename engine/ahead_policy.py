@@ -47,9 +47,10 @@ class RoundTimes:
             return deque(maxlen=window)
         self.seq_wall, self.draft_step, self.seq_verify = q(), q(), q()
         self.drafts = q()
-        self.all_accepted = deque(maxlen=4 * window)  # a share: more rounds for fewer flukes
-        self.hit_wall, self.miss_wall, self.miss_draft, self.ahead_s, self.ahead_verify = q(), q(), q(), q(), q()
-        self.hits = q()  # draft-ahead rounds after a draft-ahead round: did it verify a block?
+        # shares, over more rounds: at a = 0.7, K = 3 a share of 16 rounds ran from 0.08 to 0.48
+        self.all_accepted = deque(maxlen=4 * window)
+        self.hits = deque(maxlen=4 * window)  # draft-ahead rounds after one: did it verify blocks only?
+        self.hit_wall, self.miss_wall, self.miss_draft, self.ahead_s = q(), q(), q(), q()
 
     def add(self, r: AheadRound, after_ahead: bool) -> None:
         if r.drafts > 0:
@@ -62,23 +63,27 @@ class RoundTimes:
                 self.seq_verify.append(r.verify_s)
             return
         self.ahead_s.append(r.ahead_s)
-        self.ahead_verify.append(r.verify_s)
         (self.miss_wall if r.fresh else self.hit_wall).append(r.wall_s)
         if r.fresh:
             self.miss_draft.append(r.draft_s)
         if after_ahead:
             self.hits.append(not r.fresh)
 
-    def sequential(self, min_rounds: int) -> float | None:
-        return median(self.seq_wall) if len(self.seq_wall) >= min_rounds else None
+    def sequential(self) -> float | None:
+        """The median sequential round, once there are enough rounds to say how often blocks
+        would be used (a share of 3 rounds is mostly luck)."""
+        enough = len(self.seq_wall) >= 3 and len(self.all_accepted) >= self.seq_wall.maxlen
+        return median(self.seq_wall) if enough else None
 
-    def hit_rate(self, alpha: float, rows: int, prior_weight: float = 8.0) -> float:
-        """The chance a round verifies blocks only: measured, shrunk towards what acceptance predicts
-        (every draft accepted, then each row's first proposal taken with the per-token rate)."""
-        prior = (sum(self.all_accepted) / len(self.all_accepted) if self.all_accepted else alpha) * alpha ** rows
+    def hit_rate(self, k: float, prior_weight: float = 16.0) -> float:
+        """The chance a round verifies blocks only: measured, shrunk towards what acceptance predicts.
+        With P the share of rounds whose K drafts were all accepted, a block's first proposal is taken
+        at the per-draft rate P^(1/K) (exact for synthetic acceptance; every row's, in a batch)."""
+        share = sum(self.all_accepted) / len(self.all_accepted)
+        prior = share ** ((k + 1) / k)
         return (sum(self.hits) + prior_weight * prior) / (len(self.hits) + prior_weight)
 
-    def ahead_round(self, alpha: float, rows: int, measured: bool) -> float | None:
+    def ahead_round(self, measured: bool) -> float | None:
         """Expected draft-ahead round time; measured=False: from the sequential rounds, as if the
         groups overlapped perfectly (A measured if it ever was, else K + 1 draft steps)."""
         if not self.seq_wall:
@@ -86,7 +91,7 @@ class RoundTimes:
         k = median(self.drafts)
         d, v, wall = median(self.draft_step) * k, median(self.seq_verify), median(self.seq_wall)
         a = median(self.ahead_s) if self.ahead_s else d * (k + 1) / k
-        p = self.hit_rate(alpha, rows)
+        p = self.hit_rate(k)
         if not measured:
             other = max(0.0, wall - d - v)
             return p * (max(v, a) + other) + (1 - p) * (d + max(v, a) + other)
@@ -115,8 +120,8 @@ class AheadPolicy:
     more, and its blocks are used only when every row's is). `fixed` pins the mode (tests,
     benchmarks); `overlaps=False` (both groups in one process, one after the other) pins it off."""
 
-    ENTER = 1.03  # predicted speedup (perfect overlap) for draft-ahead to be tried
-    STAY = 1.0  # measured speedup for it to stay
+    ENTER = 1.05  # predicted speedup (perfect overlap) for draft-ahead to be tried
+    STAY = 1.02  # measured speedup for it to stay; below 1.0 a stay ends early
 
     def __init__(self, probe_steps: int = 6, stay_steps: int = 24, max_stay_steps: int = 768,
                  window: int = 16, fixed: bool | None = None, overlaps: bool = True):
@@ -136,14 +141,14 @@ class AheadPolicy:
     def use(self, rows: int = 1) -> bool:
         return self.fixed if self.fixed is not None else self._state(rows).mode
 
-    def speedup(self, rows: int, alpha: float, measured: bool) -> float | None:
+    def speedup(self, rows: int, measured: bool) -> float | None:
+        """Sequential round time / draft-ahead's: measured, or predicted from sequential rounds."""
         st = self._state(rows)
-        seq = st.times.sequential(min_rounds=3)
-        ahead = st.times.ahead_round(alpha, rows, measured)
+        seq = st.times.sequential()
+        ahead = st.times.ahead_round(measured)
         return seq / ahead if seq is not None and ahead else None
 
-    def observe(self, rows: int, r: AheadRound, alpha: float) -> None:
-        """One round's timings; `alpha` is the engine's per-draft acceptance estimate."""
+    def observe(self, rows: int, r: AheadRound) -> None:
         self.rounds[r.ahead] += 1
         st = self._state(rows)
         st.times.add(r, st.last_ahead)
@@ -153,9 +158,14 @@ class AheadPolicy:
         st.left -= 1
         if not st.mode:
             st.wait -= 1
+        if st.phase == "stay" and st.left > 0 and st.left % self.probe_steps == 0:
+            measured = self.speedup(rows, measured=True)
+            if measured is not None and measured < 1.0:  # lost during the stay: end it as a loss
+                st.phase, st.left, st.wait = "sequential", self.probe_steps, st.stays
+            return
         if st.left > 0:
             return
-        measured = self.speedup(rows, alpha, measured=True)
+        measured = self.speedup(rows, measured=True)
         wins = measured is not None and measured >= self.STAY
         if st.phase == "stay":  # a short sequential phase keeps the comparison current
             st.phase, st.left = "sequential", self.probe_steps
@@ -165,7 +175,7 @@ class AheadPolicy:
         elif st.phase == "try":  # lost: try again ever more rarely
             st.phase, st.left = "sequential", self.probe_steps
             st.wait, st.stays = st.stays, min(self.max_stay, 2 * st.stays)
-        elif st.wait <= 0 and (self.speedup(rows, alpha, measured=False) or 0.0) >= self.ENTER:
+        elif st.wait <= 0 and (self.speedup(rows, measured=False) or 0.0) >= self.ENTER:
             st.phase, st.left = "try", self.probe_steps + 1  # its first round has no block yet
         else:
             st.left = self.probe_steps

@@ -259,7 +259,7 @@ class Scheduler:
                 ahead=ahead is not None, fresh=draft is not None, drafts=max(ks), draft_s=result.draft_elapsed_s,
                 verify_s=result.elapsed_s, ahead_s=result.ahead.elapsed_s if result.ahead is not None else 0.0,
                 wall_s=elapsed, all_accepted=all(result.num_accepted[b] == k for b, k in enumerate(ks)
-                                                 if k > 0 and b not in result.errors)), self.acceptance.alpha)
+                                                 if k > 0 and b not in result.errors)))
         return rows
 
     def _ahead_block(self, seq: Sequence) -> list[int] | None:

@@ -169,7 +169,7 @@ def simulate(policy: AheadPolicy, rounds: int, d: float, v: float, a: float, o: 
         middle = (max(verify_s, ahead_s) if overlap else verify_s + ahead_s) if ahead else verify_s
         wall = draft_s + middle + other
         block = ahead and all_accepted and rng.random() < alpha
-        policy.observe(rows, AheadRound(ahead, fresh, k, draft_s, verify_s, ahead_s, wall, all_accepted), alpha)
+        policy.observe(rows, AheadRound(ahead, fresh, k, draft_s, verify_s, ahead_s, wall, all_accepted))
         modes.append(ahead)
         total += wall
     return modes, total
@@ -180,13 +180,14 @@ SYNTHETIC_K5 = dict(d=0.240, v=0.494, a=0.308, o=0.015, k=5)
 REAL_PAIR_K3 = dict(d=0.093, v=0.066, a=0.123, o=0.010, k=3)  # its blocks: 17% used, a ~ 0.65
 
 
-def test_policy_never_tries_draft_ahead_where_even_perfect_overlap_loses():
+def test_policy_does_not_try_draft_ahead_where_even_perfect_overlap_loses():
     """Drafting K + 1 ahead takes longer than the verify it hides behind (the real pair), or blocks are
-    almost never used (a = 0.5): the sequential rounds' own timings say so, and no round is spent on it."""
+    almost never used (a = 0.5): the sequential rounds' own timings say so, and the policy stays
+    sequential (at most a rare short try, when a run of lucky rounds makes blocks look likely)."""
     for case, alpha in [(REAL_PAIR_K3, 0.65), (REAL_PAIR_K3, 0.8), (SYNTHETIC_K5, 0.5), (SYNTHETIC_K5, 0.3)]:
-        policy = AheadPolicy()
-        modes, _ = simulate(policy, 600, alpha=alpha, **case)
-        assert not any(modes), (case, alpha)
+        modes, total = simulate(AheadPolicy(), 600, alpha=alpha, **case)
+        _, sequential = simulate(AheadPolicy(fixed=False), 600, alpha=alpha, **case)
+        assert np.mean(modes) < 0.02 and total < 1.01 * sequential, (case, alpha)
 
 
 def test_policy_keeps_draft_ahead_where_it_wins():
@@ -211,9 +212,10 @@ def test_policy_falls_back_where_overlapping_loses():
 def test_policy_decides_per_batch_size():
     """A batch's blocks are used only when every row's is: at 4 rows draft-ahead loses what it wins alone."""
     policy = AheadPolicy()
-    simulate(policy, 800, alpha=0.9, **SYNTHETIC_K5)
-    simulate(policy, 800, alpha=0.9, overlap=False, rows=4, **SYNTHETIC_K5)
-    assert policy.use(1) and not policy.use(4)
+    alone, _ = simulate(policy, 800, alpha=0.9, **SYNTHETIC_K5)
+    batched, _ = simulate(policy, 800, alpha=0.9, overlap=False, rows=4, **SYNTHETIC_K5)
+    assert np.mean(alone[200:]) > 0.9 and np.mean(batched[200:]) < 0.1
+    assert policy.use(1)  # what it learned at 4 rows left batch 1's verdict alone
 
 
 def test_in_one_process_draft_ahead_never_runs(reference):
