@@ -2,15 +2,17 @@
 its own device), and the speedup the cost model predicts.
 
     .venv/bin/python benchmarks/ahead_bench.py [--alphas 0.5 0.7 0.9] [--ks 3 5] [--max-tokens 48]
-                                               [--prompts 4] [--no-real]
+                                               [--prompts 6] [--no-real]
 
 Ray executor with `disjoint_cores: true` (2 cores here: the target rank on one, the draft rank on the
 other), one request at a time, float32. Synthetic rows: random 1.7B Llama-shape target <- random
 SmolLM2-135M-shape draft, synthetic acceptance with per-token rate a (unconditional rates
 a^(i+1); a draft-ahead block's first proposal is taken with rate a too). Real row: Gemma 3 270M <-
 SmolLM2-135M (TLI), greedy. The modes run on one engine, taking turns prompt by prompt: sequential
-and draft-ahead (AheadPolicy pinned), and auto (draft_ahead: true as shipped: the policy measures
-both and keeps the faster; one policy across its turns, as an engine keeps it).
+and draft-ahead (AheadPolicy pinned), and auto (draft_ahead: true as shipped: the policy predicts,
+measures and keeps the faster; one policy across its turns, as an engine keeps it). Each prompt has
+its own seed, so its three turns draw the same acceptances and take the same rounds (checked and
+reported); a speedup is the median over prompts of the turns' own ratio (with the range).
 
 Predicted (from the sequential turns' own timings: draft D, verify V, the rest of a step O): a step
 takes D + V + O sequentially; with draft-ahead max(V, A) + O when the last step's block is used
@@ -127,7 +129,7 @@ def main() -> None:
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 5])
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--no-real", action="store_true")
     ap.add_argument("--target", default="random:llama-1.7b")
     ap.add_argument("--draft", default="random:smollm2-135m")

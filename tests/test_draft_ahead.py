@@ -176,15 +176,15 @@ def simulate(policy: AheadPolicy, rounds: int, d: float, v: float, a: float, o: 
 
 
 # measured on this machine (benchmarks/ahead_bench.py, seconds): draft K, verify, draft-ahead, rest
-SYNTHETIC_K5 = dict(d=0.240, v=0.494, a=0.308, o=0.015, k=5)
-REAL_PAIR_K3 = dict(d=0.093, v=0.066, a=0.123, o=0.010, k=3)  # its blocks: 17% used, a ~ 0.65
+SYNTHETIC_K5 = dict(d=0.203, v=0.500, a=0.289, o=0.015, k=5)  # 1.7B-shape <- 135M-shape
+REAL_PAIR_K3 = dict(d=0.035, v=0.037, a=0.045, o=0.009, k=3)  # Gemma 3 <- SmolLM2: 9% of blocks used, a ~ 0.55
 
 
 def test_policy_does_not_try_draft_ahead_where_even_perfect_overlap_loses():
     """Drafting K + 1 ahead takes longer than the verify it hides behind (the real pair), or blocks are
     almost never used (a = 0.5): the sequential rounds' own timings say so, and the policy stays
     sequential (at most a rare short try, when a run of lucky rounds makes blocks look likely)."""
-    for case, alpha in [(REAL_PAIR_K3, 0.65), (REAL_PAIR_K3, 0.8), (SYNTHETIC_K5, 0.5), (SYNTHETIC_K5, 0.3)]:
+    for case, alpha in [(REAL_PAIR_K3, 0.55), (REAL_PAIR_K3, 0.65), (SYNTHETIC_K5, 0.5), (SYNTHETIC_K5, 0.3)]:
         modes, total = simulate(AheadPolicy(), 600, alpha=alpha, **case)
         _, sequential = simulate(AheadPolicy(fixed=False), 600, alpha=alpha, **case)
         assert np.mean(modes) < 0.02 and total < 1.01 * sequential, (case, alpha)
@@ -195,7 +195,7 @@ def test_policy_keeps_draft_ahead_where_it_wins():
     modes, total = simulate(policy, 1500, alpha=0.9, **SYNTHETIC_K5)
     assert np.mean(modes[300:]) > 0.9
     _, sequential = simulate(AheadPolicy(fixed=False), 1500, alpha=0.9, **SYNTHETIC_K5)
-    assert total < 0.9 * sequential  # the model's bound here is 1.17x
+    assert total < 0.91 * sequential  # the model's bound here is 1.14x
 
 
 def test_policy_falls_back_where_overlapping_loses():
