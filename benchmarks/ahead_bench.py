@@ -159,7 +159,8 @@ def main() -> None:
                      predicted=predicted(parts, r["blocks_used"]))
             rows.append(r)
             print(f"real K={k}: {r['speedup']:.2f}x (predicted {r['predicted']:.2f}x), auto {r['auto']:.2f}x "
-                  f"({r['auto_rounds_ahead']:.0%} of its rounds ahead)", flush=True)
+                  f"({r['auto_rounds_ahead']:.0%} of its rounds ahead); same rounds in every mode: "
+                  f"{r['same_rounds_every_mode']}", flush=True)
 
     print(f"\n{'pair':<36}{'a':>5}{'K':>3}{'seq tok/s':>10}{'ahead tok/s':>12}{'speedup':>8}{'bound':>7}{'auto':>7}"
           f"{'ahead%':>7}{'of bound':>9}{'D ms':>7}{'V ms':>7}{'V|A ms':>7}{'A ms':>7}{'used':>6}")
