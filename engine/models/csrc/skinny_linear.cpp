@@ -48,7 +48,6 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // Weight rows as float32: 16 weights are one load.
 struct F32Rows {
-  static constexpr bool kPrefetchAlways = false;
   const float* rows[NR];
   int64_t k;
   __m512 load(int j, int64_t c) const { return _mm512_loadu_ps(rows[j] + c * LANES); }
@@ -159,7 +158,7 @@ inline void tile(const float* x, int64_t ldx, const Rows& w_rows, int64_t k, con
     // With several rows the loop runs long per weight line and the hardware prefetcher falls
     // behind; fetch the same lines of the next block (the next NR rows, which this thread reads
     // next). One row streams fine on its own.
-    if (R > 1 || Rows::kPrefetchAlways)
+    if (R > 1)
       for (int j = 0; j < NR; ++j) w_rows.prefetch_next(j, c);
     __m512 w[NR];
     for (int j = 0; j < NR; ++j) w[j] = w_rows.load(j, c);
