@@ -145,8 +145,10 @@ class AheadPolicy:
         """Sequential round time / draft-ahead's: measured, or predicted from sequential rounds."""
         st = self._state(rows)
         seq = st.times.sequential()
+        if seq is None:
+            return None
         ahead = st.times.ahead_round(measured)
-        return seq / ahead if seq is not None and ahead else None
+        return seq / ahead if ahead else None
 
     def observe(self, rows: int, r: AheadRound) -> None:
         self.rounds[r.ahead] += 1
