@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
+from engine.adaptive import BatchCosts
+
 
 @dataclass(frozen=True)
 class AheadRound:
@@ -131,12 +133,8 @@ class AheadPolicy:
         self.by_bucket: dict[int, BucketState] = {}
         self.rounds = {True: 0, False: 0}
 
-    @staticmethod
-    def bucket(rows: int) -> int:
-        return 1 << (max(1, rows).bit_length() - 1)
-
     def _state(self, rows: int) -> BucketState:
-        return self.by_bucket.setdefault(self.bucket(rows), BucketState(self))
+        return self.by_bucket.setdefault(BatchCosts.bucket(rows), BucketState(self))
 
     def use(self, rows: int = 1) -> bool:
         return self.fixed if self.fixed is not None else self._state(rows).mode
