@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams, check_cache_salt
 from engine.core import EngineCore
 from engine.errors import INTERNAL_ERROR, error_kind
 from engine.metrics import SpecDecodeLogger, SpecDecodeStats
@@ -69,7 +69,7 @@ class RequestStream:
         return delta
 
     def abort(self) -> None:
-        """Stop generating for this request and free its slot (nothing happens once it has ended)."""
+        """Stop generating for this request and free its blocks (nothing happens once it has ended)."""
         if not self._done:
             self._done = True
             self._engine.abort(self.request_id)
@@ -112,7 +112,8 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.core.scheduler.waiting) + sum(1 for p in self._pending if p[0] == "add")
 
-    def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> RequestStream:
         """Validate (ValueError on bad input; QueueFullError), queue, and return the request's stream.
 
         `prompt` as EngineCore.prompt_ids takes it; a string is tokenized here, so callers on an event
@@ -122,12 +123,13 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         text, ids = self.core.prompt_ids(prompt)
         self.core.scheduler.check_request(ids, params)  # raise here, in the caller's task, not in the loop
+        cache_salt = check_cache_salt(cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
                 raise QueueFullError(f"queue is full ({self.max_queued_requests} requests waiting); retry later")
             self._streams[request_id] = (asyncio.get_running_loop(), queue, {"tokens": 0, "text": 0})
-            self._pending.append(("add", request_id, text, ids, params))
+            self._pending.append(("add", request_id, text, ids, params, cache_salt))
             self._lock.notify()
         return RequestStream(self, request_id, queue)
 
@@ -158,9 +160,9 @@ class AsyncEngine:
                 pending, self._pending = self._pending, []
             for item in pending:
                 if item[0] == "add":
-                    _, rid, text, ids, params = item
+                    _, rid, text, ids, params, salt = item
                     try:
-                        sched.add(rid, text, ids, params)
+                        sched.add(rid, text, ids, params, salt)
                     except ValueError as e:
                         self._emit_error(rid, str(e))
                     except Exception:  # noqa: BLE001 - one request's problem, never the loop's

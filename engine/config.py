@@ -143,7 +143,14 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
     tensor_parallel_size: int = Field(default=1, ge=1)
-    max_num_seqs: int = Field(default=8, ge=1)
+    # The batch bound (sequences decoding at once). Unset: 16 on a CPU (two cores gain little past
+    # that; each more row costs a verify's rows) and 256 on a GPU (vLLM's default).
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    # Paged KV cache (engine/kv/): tokens per block, a power of two (vLLM's default 16), and automatic
+    # prefix caching (on, as in vLLM v1): full blocks of committed tokens are shared between requests
+    # with the same token chain (and cache_salt).
+    block_size: int = Field(default=16, ge=1, le=256)
+    enable_prefix_caching: bool = True
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     distributed_executor_backend: Literal["mp", "ray"] | None = None
@@ -162,8 +169,9 @@ class EngineConfig(BaseModel):
     gguf_weights: Literal["blocks", "float32"] = "blocks"
     # KV cache sizing (engine/memory.py): after the weights load, each GPU's caches get this share
     # of the device less what is in use; kv_cache_memory_bytes, when set, is the byte budget per
-    # device instead (the CPU's only budget: unset there, max_num_seqs slots are allocated).
-    # Fewer slots than max_num_seqs fit: max_num_seqs is lowered, with a log line; none: an error.
+    # device instead (on a CPU, unset: 4 GiB, vLLM's CPU default). The blocks that fit are shared by
+    # all sequences; a cache too small for one max_model_len sequence lowers a defaulted
+    # max_model_len to what fits (with a warning) and refuses an explicit one.
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
     speculative_config: SpeculativeConfig | None = None
@@ -173,6 +181,18 @@ class EngineConfig(BaseModel):
     def _spec_from_dict(cls, value: Any) -> Any:
         # validate here so the message keeps its 'speculative_config:' prefix
         return SpeculativeConfig.model_validate(value) if isinstance(value, dict) else value
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two (1, 2, ..., 16, 32, ...), got {value}")
+        return value
+
+    def resolved_max_num_seqs(self) -> int:
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return 256 if self.resolved_device() == "cuda" else 16
 
     @model_validator(mode="after")
     def _check_draft_tp(self) -> "EngineConfig":
@@ -212,6 +232,18 @@ class EngineConfig(BaseModel):
         if self.dtype == "auto":  # exact float32 on CPU; bfloat16 on GPU
             return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt: Any) -> str | None:
+    """vLLM's cache_salt: a non-empty string (None: the shared cache); ValueError otherwise."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return salt
 
 
 # Where a draft trained for parallel drafting names its mask token (the keys vLLM reads).

@@ -17,11 +17,6 @@ from engine.vocab_mapping import VocabMapping
 
 log = logging.getLogger(__name__)
 
-# Without an explicit max_model_len the KV cache is sized for this many tokens per sequence
-# (a model's own limit, 8k-32k here, would reserve gigabytes per slot on a CPU).
-DEFAULT_MAX_MODEL_LEN = 2048
-
-
 def eos_token_ids(tokenizer, hf_config) -> set[int]:
     ids = set()
     for value in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
@@ -49,6 +44,7 @@ class EngineCore:
         hf_config = load_config(target_source)
         self.vocab_size = hf_config.vocab_size
         limit = hf_config.max_position_embeddings
+        draft_limit = None
         vocab_mapping = None
         if spec is not None:
             draft_source = resolve_model(spec.model)
@@ -56,28 +52,43 @@ class EngineCore:
             # checked before any weights load, so a bad pair fails fast
             check_model_pair(spec, hf_config.vocab_size, draft_config.vocab_size,
                              limit, draft_config.max_position_embeddings)
-            limit = min(limit, draft_config.max_position_embeddings)
+            # the target's limit is the engine's; past the draft's own, a sequence stops drafting
+            draft_limit = draft_config.max_position_embeddings
             if spec.parallel_drafting:
                 parallel_drafting_token(draft_config)
             if spec.use_heterogeneous_vocab:
                 vocab_mapping = VocabMapping(self.tokenizer, load_tokenizer(draft_source),
                                              hf_config.vocab_size, draft_config.vocab_size)
-        max_len = config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        max_len = config.max_model_len or limit  # the target's own limit, as in vLLM
         if spec is not None and spec.max_model_len is not None:
             max_len = min(max_len, spec.max_model_len)
         if max_len > limit:
-            raise ValueError(f"max_model_len ({max_len}) is above the models' limit ({limit})")
-        self.max_model_len = max_len
+            raise ValueError(f"max_model_len ({max_len}) is above the target model's limit ({limit})")
         k = spec.num_speculative_tokens if spec else 0
         if use_ray is None:
             use_ray = (config.distributed_executor_backend == "ray" or config.tensor_parallel_size > 1
                        or config.draft_tensor_parallel_size > 1)
         executor_cls = RayExecutor if use_ray else LocalExecutor
-        # room past max_model_len for the padded positions of a K+1-token verify
-        self.executor = executor_cls(config, cache_len=max_len + k + 1, target_vocab=self.vocab_size,
+        self.executor = executor_cls(config, max_len + k + 1, target_vocab=self.vocab_size,
                                      vocab_mapping=vocab_mapping)
+        max_len = self._fit_cache(max_len, k, explicit=config.max_model_len is not None or
+                                  (spec is not None and spec.max_model_len is not None))
+        self.max_model_len = max_len
         self.scheduler = Scheduler(self.executor, self.tokenizer, eos_token_ids(self.tokenizer, hf_config),
-                                   config, max_len, vocab_mapping, self.vocab_size)
+                                   config, max_len, vocab_mapping, self.vocab_size, draft_limit)
+
+    def _fit_cache(self, max_len: int, k: int, explicit: bool) -> int:
+        """max_model_len that one sequence can reach in the cache that fit (a verify step's k + 1 on top)."""
+        capacity = (self.executor.num_blocks - 1) * self.config.block_size
+        if max_len + k + 1 <= capacity:
+            return max_len
+        message = (f"the KV cache holds {capacity} tokens, fewer than one sequence of max_model_len {max_len} "
+                   f"needs ({max_len + k + 1} with a verify step)")
+        if explicit:
+            self.executor.shutdown()
+            raise ValueError(f"{message}; lower max_model_len, or raise gpu_memory_utilization or kv_cache_memory_bytes")
+        log.warning("%s: max_model_len lowered to %d", message, capacity - k - 1)
+        return capacity - k - 1
 
     def prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         """(text or None, token ids) from a string or {'prompt_token_ids': [...]} / {'prompt': str},

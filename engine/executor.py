@@ -20,10 +20,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ExecutorError, StepError
-from engine.memory import DeviceMemory, device_budget, plan_slots
+from engine.memory import DeviceMemory, device_budget, plan_blocks
 from engine.models.loading import resolve_model
 from engine.proposer import DraftModelProposer
-from engine.step import AheadBatch, DraftBatch, DraftOutput, VerifyBatch, VerifyOutput
+from engine.step import AheadBatch, DraftBatch, DraftOutput, Prefill, VerifyBatch, VerifyOutput
 from engine.verifier import Verifier
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class GroupRank:
     """One rank of a model group: a ModelWorker shard and the group's job (drafting or verifying)."""
 
-    def __init__(self, role: str, config: EngineConfig, cache_len: int, target_vocab: int,
+    def __init__(self, role: str, config: EngineConfig, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None, rank: int = 0, world: int = 1,
                  dist_address: str | None = None, threads: int | None = None, cores: list[int] | None = None,
                  group=None):
@@ -54,7 +54,7 @@ class GroupRank:
             group = torch.distributed.group.WORLD
         spec = config.speculative_config
         name = config.model if role == "target" else spec.model
-        self.worker = ModelWorker(resolve_model(name), None, cache_len, config.torch_dtype(),
+        self.worker = ModelWorker(resolve_model(name), None, config.block_size, config.torch_dtype(),
                                   device, rng_stream=role, rank=rank, world=world, group=group,
                                   gguf_blocks=config.gguf_weights == "blocks")
         self.rank, self.group, self.config = rank, group, config
@@ -70,15 +70,15 @@ class GroupRank:
         return [self.worker]
 
     def memory(self) -> DeviceMemory:
-        """What a KV cache slot costs on this rank's device (every model on it) and what it may spend."""
+        """What a KV block costs on this rank's device (every model on it) and what it may spend."""
         workers, config = self._workers(), self.config
         budget, where = device_budget(config.resolved_device(), config.gpu_memory_utilization,
                                       config.kv_cache_memory_bytes)
-        return DeviceMemory(sum(w.slot_bytes() for w in workers), budget, sum(w.weight_bytes() for w in workers), where)
+        return DeviceMemory(sum(w.block_bytes() for w in workers), budget, sum(w.weight_bytes() for w in workers), where)
 
-    def allocate(self, num_slots: int) -> None:
+    def allocate(self, num_blocks: int) -> None:
         for worker in self._workers():
-            worker.allocate_cache(num_slots)
+            worker.allocate_cache(num_blocks)
 
     def add_request(self, request_id: str, seed: int) -> None:
         self.worker.add_request(request_id, seed)
@@ -86,14 +86,16 @@ class GroupRank:
     def remove_request(self, request_id: str) -> None:
         self.worker.remove_request(request_id)
 
-    def prefill(self, slot: int, tokens: list[int], after=None, scored: tuple[int, int] | None = None):
+    def prefill(self, chunk: Prefill, after=None, scored: tuple[int, int] | None = None):
         """`after`: an ObjectRef this call waits for (Ray resolves it first), to order two groups'
-        prefills without a round trip through the coordinator. `scored` = (the token after `tokens`,
-        top n): also return each next token's log-probability and the top n at each position."""
+        prefills without a round trip through the coordinator. `scored` = (the token after the chunk,
+        top n): also return each next token's log-probability and the top n at each position (the
+        chunk then starts at 0: no prefix-cache hit)."""
         if scored is None:
-            self.worker.prefill(slot, tokens)
+            self.worker.prefill(chunk.table, chunk.start, chunk.tokens)
             return None
-        out = self.worker.prefill_scored(slot, tokens, tokens[1:] + [scored[0]], scored[1])
+        tokens = chunk.tokens
+        out = self.worker.prefill_scored(chunk.table, tokens, tokens[1:] + [scored[0]], scored[1])
         return out if self.rank == 0 else None
 
     def propose(self, batch: DraftBatch) -> DraftOutput | None:
@@ -118,9 +120,9 @@ class GroupRank:
         out.draft_elapsed_s = drafts.elapsed_s if drafts is not None else 0.0
         return out if self.rank == 0 else None
 
-    def logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):
+    def logits(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]]):
         """Raw float32 logits of a ragged forward (diagnostics and parity tests)."""
-        out = self.worker.forward(slots, starts, tokens)
+        out = self.worker.forward(tables, starts, tokens)
         return out if self.rank == 0 else None
 
 
@@ -130,14 +132,14 @@ class ColocatedRanks(GroupRank):
     it lives in the target's rank 0 only. Its calls are the target's with a `draft_` prefix; calls
     to one actor run in the order they were sent, so every rank sees the same collective order."""
 
-    def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
+    def __init__(self, config: EngineConfig, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None, rank: int = 0, world: int = 1,
                  dist_address: str | None = None, threads: int | None = None, cores: list[int] | None = None):
-        super().__init__("target", config, cache_len, target_vocab, None, rank, world, dist_address, threads, cores)
+        super().__init__("target", config, target_vocab, None, rank, world, dist_address, threads, cores)
         draft_world = config.draft_tensor_parallel_size
         self.draft = None
         if draft_world > 1 or rank == 0:
-            self.draft = GroupRank("draft", config, cache_len, target_vocab, vocab_mapping,
+            self.draft = GroupRank("draft", config, target_vocab, vocab_mapping,
                                    rank if draft_world > 1 else 0, draft_world,
                                    group=self.group if draft_world > 1 else None)
 
@@ -153,8 +155,8 @@ class ColocatedRanks(GroupRank):
     def draft_remove_request(self, request_id: str) -> None:
         self.draft.remove_request(request_id)
 
-    def draft_prefill(self, slot: int, tokens: list[int], after=None, scored=None):
-        return self.draft.prefill(slot, tokens, after, scored)
+    def draft_prefill(self, chunk: Prefill, after=None, scored=None):
+        return self.draft.prefill(chunk, after, scored)
 
     def draft_propose(self, batch: DraftBatch) -> DraftOutput | None:
         return self.draft.propose(batch)
@@ -177,19 +179,20 @@ class DraftHandle:
 class LocalExecutor:
     overlaps_groups = False  # one process: the draft runs after the verify, never beside it
 
-    def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
+    def __init__(self, config: EngineConfig, max_model_len: int, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None):
-        self.target = GroupRank("target", config, cache_len, target_vocab)
+        self.target = GroupRank("target", config, target_vocab)
         self.draft = None
         if config.speculative_config is not None:
-            self.draft = GroupRank("draft", config, cache_len, target_vocab, vocab_mapping)
+            self.draft = GroupRank("draft", config, target_vocab, vocab_mapping)
         # both models on this process's device: one budget for their caches together
         reports = [r.memory() for r in self._ranks()]
-        joint = DeviceMemory(sum(r.slot_bytes for r in reports), reports[0].budget_bytes,
+        joint = DeviceMemory(sum(r.block_bytes for r in reports), reports[0].budget_bytes,
                              sum(r.weight_bytes for r in reports), reports[0].where)
-        self.num_slots = plan_slots([joint], config.max_num_seqs, cache_len, config.gpu_memory_utilization)
+        self.num_blocks = plan_blocks([joint], config.block_size, max_model_len, config.resolved_max_num_seqs(),
+                                      config.gpu_memory_utilization)
         for r in self._ranks():
-            r.allocate(self.num_slots)
+            r.allocate(self.num_blocks)
         self._ahead = None  # the last step's draft-ahead blocks (whole: the next verify reads them)
 
     def _ranks(self):
@@ -205,12 +208,12 @@ class LocalExecutor:
         for r in self._ranks():
             r.remove_request(request_id)
 
-    def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None,
-                scored: tuple[int, int] | None = None):
+    def prefill(self, target: Prefill | None, draft: Prefill | None, scored: tuple[int, int] | None = None):
+        """Write prompt tokens into each model's cache (None or no tokens: nothing for that model)."""
         try:
-            out = self.target.prefill(slot, target_tokens, None, scored) if target_tokens else None
-            if self.draft is not None and draft_tokens:
-                self.draft.prefill(slot, draft_tokens)
+            out = self.target.prefill(target, None, scored) if target is not None and target.tokens else None
+            if self.draft is not None and draft is not None and draft.tokens:
+                self.draft.prefill(draft)
             return out
         except Exception as e:
             raise StepError(f"prefill raised {type(e).__name__}") from e
@@ -228,8 +231,8 @@ class LocalExecutor:
         except Exception as e:
             raise StepError(f"step raised {type(e).__name__}") from e
 
-    def target_logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):
-        return self.target.logits(slots, starts, tokens)
+    def target_logits(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]]):
+        return self.target.logits(tables, starts, tokens)
 
     def restart(self) -> None:
         pass  # nothing in this process can die without taking the process with it
@@ -280,13 +283,13 @@ class RayExecutor:
 
     overlaps_groups = True  # the draft group's calls run beside the target's (draft_ahead needs separate)
 
-    def __init__(self, config: EngineConfig, cache_len: int, target_vocab: int,
+    def __init__(self, config: EngineConfig, max_model_len: int, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None, timeout_s: float = 600.0):
         import ray
 
         if not ray.is_initialized():
             init_ray(config, log_to_driver=False)
-        self.config, self.cache_len, self.target_vocab = config, cache_len, target_vocab
+        self.config, self.max_model_len, self.target_vocab = config, max_model_len, target_vocab
         self.vocab_mapping, self.timeout_s = vocab_mapping, timeout_s
         self._ahead = None  # ObjectRef: the last step's draft-ahead blocks, whole, for the next verify
         self._with_draft: set[str] = set()  # requests the draft group holds state for
@@ -323,14 +326,15 @@ class RayExecutor:
         devices = self.target + [r for r in self.draft if not isinstance(r, DraftHandle)]  # one per device
         reports = self._get([r.memory.remote() for r in devices])
         try:
-            slots = plan_slots(reports, config.max_num_seqs, self.cache_len, config.gpu_memory_utilization)
-            if slots < getattr(self, "num_slots", slots):  # a rebuild: the scheduler hands out the old slots
-                raise ValueError(f"rebuilt model groups fit {slots} KV cache slots, {self.num_slots} before")
+            blocks = plan_blocks(reports, config.block_size, self.max_model_len, config.resolved_max_num_seqs(),
+                                 config.gpu_memory_utilization)
+            if blocks < getattr(self, "num_blocks", blocks):  # a rebuild: the scheduler's pools are that big
+                raise ValueError(f"rebuilt model groups fit {blocks} KV cache blocks, {self.num_blocks} before")
         except ValueError:
             self.shutdown()
             raise
-        self.num_slots = getattr(self, "num_slots", slots)
-        self._get([r.allocate.remote(self.num_slots) for r in devices])
+        self.num_blocks = getattr(self, "num_blocks", blocks)
+        self._get([r.allocate.remote(self.num_blocks) for r in devices])
         log.info("model groups placed (%s): %s", config.placement_strategy,
                  "; ".join(f"{role} ranks on {', '.join(ips)}" for role, ips in self.nodes().items()))
 
@@ -365,8 +369,8 @@ class RayExecutor:
         colocated = role == "target" and self.config.colocated_draft()
         actor = ray.remote(ColocatedRanks if colocated else GroupRank)
         resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 1}
-        role_args = (self.config, self.cache_len, self.target_vocab, self.vocab_mapping) if colocated else (
-            role, self.config, self.cache_len, self.target_vocab, self.vocab_mapping if role == "draft" else None)
+        role_args = (self.config, self.target_vocab, self.vocab_mapping) if colocated else (
+            role, self.config, self.target_vocab, self.vocab_mapping if role == "draft" else None)
         return [actor.options(**resources, **placed(first_bundle + rank), runtime_env=ACTOR_ENV).remote(
                     *role_args, rank, world, address, threads, self._cores(first_bundle + rank))
                 for rank in range(world)]
@@ -405,13 +409,12 @@ class RayExecutor:
         self._with_draft.discard(request_id)
         self._get([r.remove_request.remote(request_id) for r in ranks])
 
-    def prefill(self, slot: int, target_tokens: list[int], draft_tokens: list[int] | None,
-                scored: tuple[int, int] | None = None):
-        refs = [r.prefill.remote(slot, draft_tokens) for r in self.draft] if draft_tokens else []
+    def prefill(self, target: Prefill | None, draft: Prefill | None, scored: tuple[int, int] | None = None):
+        refs = [r.prefill.remote(draft) for r in self.draft] if draft is not None and draft.tokens else []
         # On CPU both groups use every core: run at once, their threads preempt each other (the
         # first step took 100-430 ms instead of ~75 ms). So the target waits for the draft there.
         after = refs[0] if refs and self.config.resolved_device() == "cpu" else None
-        target_refs = [r.prefill.remote(slot, target_tokens, after, scored) for r in self.target] if target_tokens else []
+        target_refs = [r.prefill.remote(target, after, scored) for r in self.target] if target is not None and target.tokens else []
         results = self._get(target_refs + refs)
         return results[0] if target_refs else None
 
@@ -429,8 +432,8 @@ class RayExecutor:
             out.ahead, self._ahead = results[len(verify_refs) + len(draft_refs)], ahead_refs[0][1]
         return out
 
-    def target_logits(self, slots: list[int], starts: list[int], tokens: list[list[int]]):
-        return self._get([r.logits.remote(slots, starts, tokens) for r in self.target])[0]
+    def target_logits(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]]):
+        return self._get([r.logits.remote(tables, starts, tokens) for r in self.target])[0]
 
     def restart(self) -> None:
         """Replace both groups with fresh actors (after a failure)."""

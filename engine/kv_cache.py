@@ -1,40 +1,57 @@
-"""Slot-based KV cache: one slot per running sequence.
+"""Paged KV cache on a worker: per layer, keys and values [num_blocks, kv_heads, block_size, head_dim].
 
-The cache keeps no lengths: every forward names the positions it writes, and the scheduler
-holds each sequence's committed length, so rollback after a rejected draft is just starting the
-next write at the committed length. Positions past it hold stale keys (rejected drafts, padding);
-attention never reads them, because a query sees only keys at or before its own position, and
-every position up to that one was written by this step or an earlier one.
+A sequence's position p lives in block tables[b][p // block_size] at offset p % block_size; the
+scheduler owns the tables (engine/kv/). The cache keeps no lengths: every forward names the
+positions it writes, so rollback after a rejected draft is just writing the next step at the
+committed length. Positions past it hold stale keys (rejected drafts, padding); attention never
+reads them, because a query sees only keys at or before its own position, and every position up
+to that one was written by this step or an earlier one. Block 0 is the null block: table padding
+points there, and padded rows' writes land there.
 """
 from __future__ import annotations
+
+import mmap
 
 import torch
 from torch import Tensor
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_slots, self.max_len = num_slots, max_len
+        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
+        if torch.device(device).type == "cpu":
+            # anonymous memory: zero pages the OS maps on first write, so a large cache costs
+            # resident memory only for the blocks sequences have used
+            nbytes = max(1, torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size())
+            self._buffer = mmap.mmap(-1, nbytes)
+            data = torch.frombuffer(self._buffer, dtype=dtype).view(shape)
+        else:
+            data = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [data[i, 0] for i in range(num_layers)]
+        self.v = [data[i, 1] for i in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
 
-    def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor,
-               key_len: int, read: slice | Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, Hkv, T, D] at positions [B, T] of `slots` [B]; return the keys and values
-        [B, Hkv, key_len, D] of those slots. `read`: `slot_rows(slots)`, computed once per forward."""
+    def update(self, layer: int, tables: Tensor, positions: Tensor, k: Tensor, v: Tensor,
+               key_len: int, read: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, Hkv, T, D] at positions [B, T] of the rows whose block tables are `tables`
+        [B, blocks]; return keys and values [B, Hkv, key_len, D] of those rows (positions 0..).
+        `read`: `self.read_blocks(tables, key_len)`, computed once per forward."""
         kc, vc = self.k[layer], self.v[layer]
-        rows = slots[:, None]
+        bs = self.block_size
+        blocks, offsets = tables.gather(1, positions // bs), positions % bs
         # advanced indices around a slice: the indexed view is [B, T, Hkv, D]
-        kc[rows, :, positions] = k.transpose(1, 2)
-        vc[rows, :, positions] = v.transpose(1, 2)
-        read = slot_rows(slots) if read is None else read
-        return kc[read, :, :key_len], vc[read, :, :key_len]
+        kc[blocks, :, offsets] = k.transpose(1, 2)
+        vc[blocks, :, offsets] = v.transpose(1, 2)
+        read = self.read_blocks(tables, key_len) if read is None else read
+        return self._gather(kc, read, key_len), self._gather(vc, read, key_len)
 
+    def read_blocks(self, tables: Tensor, key_len: int) -> Tensor:
+        return tables[:, : -(-key_len // self.block_size)]
 
-def slot_rows(slots: Tensor) -> slice | Tensor:
-    """How to index the cache for `slots`: a slice (a view, no copy of every key) when they are
-    consecutive, else the index tensor."""
-    ids = slots.tolist()
-    return slice(ids[0], ids[0] + len(ids)) if ids == list(range(ids[0], ids[0] + len(ids))) else slots
+    @staticmethod
+    def _gather(cache: Tensor, blocks: Tensor, key_len: int) -> Tensor:
+        B, n = blocks.shape
+        _, Hkv, bs, D = cache.shape
+        rows = cache[blocks]  # [B, n, Hkv, bs, D]
+        return rows.permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * bs, D)[:, :, :key_len]

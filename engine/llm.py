@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from engine.chat import chat_prompt_ids, end_of_turn_ids
-from engine.config import EngineConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams, check_cache_salt
 from engine.core import EngineCore
 from engine.metrics import SpecDecodeStats
 from engine.scheduler import Sequence
@@ -82,7 +82,6 @@ class LLM:
     """An engine in this process. Keyword arguments are EngineConfig's fields."""
 
     def __init__(self, model: str, **kwargs: Any):
-        kwargs.pop("gpu_memory_utilization", None)  # accepted for vLLM compatibility; CPU caches are sized by slots
         self.config = EngineConfig(model=model, **kwargs)
         self.core = EngineCore(self.config)
         self.tokenizer = self.core.tokenizer
@@ -111,12 +110,13 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # validate everything before queueing anything
         parsed = [self.core.prompt_ids(p) for p in prompts]
+        salts = [check_cache_salt(p.get("cache_salt")) if isinstance(p, dict) else None for p in prompts]
         for (_, ids), p in zip(parsed, params):
             self.scheduler.check_request(ids, p)
         requests = []  # (request id, its n sequences)
-        for (text, ids), p in zip(parsed, params):
+        for (text, ids), p, salt in zip(parsed, params, salts):
             request_id = f"offline-{next(self._ids)}"
-            requests.append((request_id, [self.scheduler.add(f"{request_id}-{i}", text, ids, sample)
+            requests.append((request_id, [self.scheduler.add(f"{request_id}-{i}", text, ids, sample, salt)
                                           for i, sample in enumerate(samples(p))]))
         seqs = [s for _, group in requests for s in group]
         bar = None

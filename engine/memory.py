@@ -1,12 +1,12 @@
-"""How many sequences fit: each device's KV cache budget after its weights, in slots of max_model_len.
+"""How many KV blocks fit: each device's budget after its weights, in blocks of block_size tokens.
 
-Every rank reports, once its weights are loaded, what one more sequence costs it (a slot: keys and
-values of every layer for max_model_len tokens, for each model on that device) and what it may
-still spend: on a GPU gpu_memory_utilization of the device minus what is in use now (weights, the
-CUDA context, other processes), on a CPU kv_cache_memory_bytes (no budget: max_num_seqs slots, as
-before). The engine takes the slots the tightest device allows, at most max_num_seqs, and says so
-as vLLM does ("Maximum concurrency for N tokens per request"). Too little for one sequence is an
-error that names the numbers.
+Every rank reports, once its weights are loaded, what one more block costs it (keys and values of
+every layer for block_size tokens, for each model on that device: target and draft keep the same
+number of blocks) and what it may still spend: on a GPU gpu_memory_utilization of the device minus
+what is in use now (weights, the CUDA context, other processes); on a CPU kv_cache_memory_bytes, or
+CPU_KV_CACHE_BYTES when it is unset (vLLM's CPU backend default, VLLM_CPU_KVCACHE_SPACE, is 4 GiB).
+The engine takes the blocks the tightest device allows, never more than max_num_seqs sequences of
+max_model_len could use, and says so as vLLM does ("Maximum concurrency for N tokens per request").
 """
 from __future__ import annotations
 
@@ -17,14 +17,17 @@ import torch
 
 log = logging.getLogger(__name__)
 GiB = float(1 << 30)
+# The CPU default: a CPU cache's pages are mapped on first write (engine/kv_cache.py), so this is a
+# ceiling on resident memory, reached only when the blocks have all been used (prefix caching keeps them).
+CPU_KV_CACHE_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
 class DeviceMemory:
     """One rank's report (for a colocated draft: the target and draft caches on its device together)."""
 
-    slot_bytes: int  # one sequence's KV cache on this device
-    budget_bytes: int | None  # what the caches may take here; None: no limit
+    block_bytes: int  # one KV block on this device (each model's)
+    budget_bytes: int | None  # what the caches may take here; None: the CPU default
     weight_bytes: int
     where: str  # "GPU 0 (80.0 GiB)", "CPU" (for messages)
 
@@ -41,28 +44,24 @@ def device_budget(device: str, gpu_memory_utilization: float, kv_cache_memory_by
     return None, "CPU"
 
 
-def plan_slots(reports: list[DeviceMemory], max_num_seqs: int, slot_tokens: int,
-               gpu_memory_utilization: float) -> int:
-    """Slots every device can hold, at most max_num_seqs; ValueError if a device can't hold one."""
-    slots = max_num_seqs
+def plan_blocks(reports: list[DeviceMemory], block_size: int, max_model_len: int, max_num_seqs: int,
+                gpu_memory_utilization: float) -> int:
+    """Blocks every device can hold (the null block included); ValueError if a device can't hold two."""
+    cap = max_num_seqs * -(-max_model_len // block_size) + 1  # more could never be used at once
+    blocks = cap
     for r in reports:
-        if r.budget_bytes is None:
-            continue
-        fits = r.budget_bytes // max(1, r.slot_bytes)
-        if fits < 1:
+        budget = CPU_KV_CACHE_BYTES if r.budget_bytes is None else r.budget_bytes
+        fits = budget // max(1, r.block_bytes)
+        if fits < 2:
             raise ValueError(
-                f"not enough memory for the KV cache on {r.where}: one sequence ({slot_tokens} tokens: "
-                f"max_model_len and a verify step's room) needs {r.slot_bytes / GiB:.3f} GiB, {r.budget_bytes / GiB:.3f} GiB is left "
-                f"(gpu_memory_utilization={gpu_memory_utilization}, weights {r.weight_bytes / GiB:.2f} GiB); lower "
-                f"max_model_len, raise gpu_memory_utilization or kv_cache_memory_bytes, or add tensor parallelism")
-        slots = min(slots, fits)
-    concurrency = min((r.budget_bytes // max(1, r.slot_bytes) for r in reports if r.budget_bytes is not None),
-                      default=None)
-    per_rank = max(r.slot_bytes for r in reports) * slots
-    log.info("KV cache: %d slots of %d tokens (%.3f GiB on the largest rank); maximum concurrency for %d tokens "
-             "per request: %s", slots, slot_tokens, per_rank / GiB, slot_tokens,
-             f"{concurrency}x" if concurrency is not None else f"{slots}x (max_num_seqs; no memory budget set)")
-    if slots < max_num_seqs:
-        log.warning("max_num_seqs %d lowered to %d: the KV cache budget holds no more sequences of %d tokens",
-                    max_num_seqs, slots, slot_tokens)
-    return slots
+                f"not enough memory for the KV cache on {r.where}: one block of {block_size} tokens needs "
+                f"{r.block_bytes / GiB:.4f} GiB, {budget / GiB:.3f} GiB is left (gpu_memory_utilization="
+                f"{gpu_memory_utilization}, weights {r.weight_bytes / GiB:.2f} GiB); raise gpu_memory_utilization "
+                f"or kv_cache_memory_bytes, or add tensor parallelism")
+        blocks = min(blocks, fits)
+    tokens = (blocks - 1) * block_size
+    per_rank = max(r.block_bytes for r in reports) * blocks
+    log.info("KV cache: %d blocks of %d tokens = %d tokens (%.3f GiB on the largest rank); maximum concurrency "
+             "for %d tokens per request: %.2fx", blocks - 1, block_size, tokens, per_rank / GiB, max_model_len,
+             tokens / max_model_len)
+    return blocks

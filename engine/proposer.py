@@ -49,7 +49,7 @@ class DraftModelProposer:
     def propose(self, batch: DraftBatch) -> DraftOutput:
         if self.mask_token is not None:
             return self._propose_parallel(batch)
-        B, K = len(batch.slots), max(batch.num_drafts)
+        B, K = len(batch.seq_ids), max(batch.num_drafts)
         dev = self.worker.device
         params = [row.params for row in batch.sampling]
         drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
@@ -63,7 +63,7 @@ class DraftModelProposer:
             else:
                 feed = drafts[torch.tensor(active, device=dev), step - 1][:, None]
                 starts = [batch.starts[b] + len(batch.pending[b]) + step - 1 for b in active]
-            logits = self.worker.forward([batch.slots[b] for b in active], starts, feed, last_only=True)[:, 0]
+            logits = self.worker.forward([batch.tables[b] for b in active], starts, feed, last_only=True)[:, 0]
             rows = [batch.sampling[b] for b in active]
             logits = self._allowed(logits, rows, list(range(len(active))), [1] * len(active), step)
             index = torch.tensor(active, device=dev)
@@ -81,36 +81,37 @@ class DraftModelProposer:
         # the proposals' one device-to-host transfer
         host = torch.cat([drafts, bad[:, None].long()], 1).tolist()
         tokens = [row[: batch.num_drafts[b]] for b, row in enumerate(host)]
-        errors = {batch.slots[b]: INVALID_DISTRIBUTION for b, row in enumerate(host) if row[-1]}
+        errors = {batch.seq_ids[b]: INVALID_DISTRIBUTION for b, row in enumerate(host) if row[-1]}
         if not self.probabilistic:
-            return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors)
-        return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors, probs=self._flat_probs(batch, q_steps))
+            return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors)
+        return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors, probs=self._flat_probs(batch, q_steps))
 
     def propose_ahead(self, ahead: AheadBatch, fresh: DraftOutput | None) -> DraftOutput:
         """The next blocks (engine/step.py AheadBatch): rows whose fresh proposals failed are left out."""
         batch = ahead.draft
-        fresh_tokens = {} if fresh is None else {s: t for s, t in zip(fresh.slots, fresh.tokens)
+        fresh_tokens = {} if fresh is None else {s: t for s, t in zip(fresh.seq_ids, fresh.tokens)
                                                  if s not in fresh.errors}
         keep, pending = [], []
-        for b, slot in enumerate(batch.slots):
+        for b, seq_id in enumerate(batch.seq_ids):
             j = ahead.fresh_from[b]
             if j is None:
                 keep.append(b)
                 pending.append(batch.pending[b])
-            elif slot in fresh_tokens:
+            elif seq_id in fresh_tokens:
                 keep.append(b)
-                pending.append(batch.pending[b] + self._draft_ids(tuple(fresh_tokens[slot][j:])))
+                pending.append(batch.pending[b] + self._draft_ids(tuple(fresh_tokens[seq_id][j:])))
         if not keep:
-            return DraftOutput(slots=[], tokens=[])
-        return self.propose(DraftBatch(slots=[batch.slots[b] for b in keep], starts=[batch.starts[b] for b in keep],
+            return DraftOutput(seq_ids=[], tokens=[])
+        return self.propose(DraftBatch(seq_ids=[batch.seq_ids[b] for b in keep], starts=[batch.starts[b] for b in keep],
                                        pending=pending, num_drafts=[batch.num_drafts[b] for b in keep],
-                                       sampling=[batch.sampling[b] for b in keep]))
+                                       sampling=[batch.sampling[b] for b in keep],
+                                       tables=[batch.tables[b] for b in keep]))
 
     def _propose_parallel(self, batch: DraftBatch) -> DraftOutput:
-        B, ks = len(batch.slots), batch.num_drafts
+        B, ks = len(batch.seq_ids), batch.num_drafts
         dev = self.worker.device
         feed = [batch.pending[b] + [self.mask_token] * (ks[b] - 1) for b in range(B)]
-        logits = self.worker.forward(batch.slots, batch.starts, feed)  # [B, T, V]
+        logits = self.worker.forward(batch.tables, batch.starts, feed)  # [B, T, V]
         # row b's k_b proposing positions: its last pending token, then its masks
         logits, firsts = scored_positions(logits, batch.pending, ks)  # [sum k_b, V]
         logits = self._allowed(logits, batch.sampling, firsts, ks, 0)
@@ -132,10 +133,10 @@ class DraftModelProposer:
         # the proposals' one device-to-host transfer
         host = torch.cat([drafts, bad.long()]).tolist()
         tokens = [host[firsts[b]: firsts[b] + ks[b]] for b in range(B)]
-        errors = {batch.slots[b]: INVALID_DISTRIBUTION for b in range(B) if host[len(logits) + b]}
+        errors = {batch.seq_ids[b]: INVALID_DISTRIBUTION for b in range(B) if host[len(logits) + b]}
         if q is not None and self.mapping is not None:
             q = self._to_target(q)
-        return DraftOutput(slots=batch.slots, tokens=tokens, errors=errors, probs=q)
+        return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors, probs=q)
 
     def _allowed(self, logits: torch.Tensor, rows, firsts: list[int], counts: list[int], offset: int) -> torch.Tensor:
         """In place: -inf outside the intersection (TLI) and for tokens held back before min_tokens."""
@@ -157,7 +158,7 @@ class DraftModelProposer:
 
     def _flat_probs(self, batch: DraftBatch, q_steps) -> torch.Tensor:
         """[sum k_b, V_target]: row b's draft distributions in order, rows in batch order."""
-        per_row: list[list[torch.Tensor]] = [[] for _ in batch.slots]
+        per_row: list[list[torch.Tensor]] = [[] for _ in batch.seq_ids]
         for active, q in q_steps:
             for i, b in enumerate(active):
                 per_row[b].append(q[i])

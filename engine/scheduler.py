@@ -1,8 +1,12 @@
 """Continuous batching: sequences join and leave between steps.
 
-Each step: admit waiting requests into free KV slots (prefill), then one propose/verify round for
-every running sequence, with its own draft count k (0 = plain decoding), stop conditions and
-new tokens. `max_num_seqs` bounds the batch; the rest wait in arrival order.
+Each step: admit waiting requests while both models' block pools hold their prompts (after any
+prefix-cache hit) and prefill the rest, then one propose/verify round for every running sequence,
+with its own draft count k (0 = plain decoding), stop conditions and new tokens. `max_num_seqs`
+bounds the batch; the rest wait in arrival order. When a round's positions don't fit the blocks
+left, the most recently admitted request is preempted: its blocks go back to the pool, and it
+waits at the front of the queue to be recomputed (mostly from the prefix cache) with the output it
+has; its client sees only a pause. The cache bookkeeping is engine/kv/'s.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ from engine.adaptive import AcceptanceEstimate, BatchCosts, SpeculationGate, ada
 from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
+from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
-from engine.step import AheadBatch, DraftBatch, RowSampling, VerifyBatch
+from engine.step import AheadBatch, DraftBatch, Prefill, RowSampling, VerifyBatch
 from engine.vocab_mapping import VocabMapping
 
 log = logging.getLogger(__name__)
@@ -31,13 +36,16 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    seq_id: int = 0  # unique among the engine's sequences: names its rows in a step's batches
+    cache_salt: str | None = None  # requests with different salts never share a cached block
     output_ids: list[int] = field(default_factory=list)
-    slot: int = -1
-    target_cached: int = 0  # tokens of prompt+output in the target's cache
+    target: SeqCache = field(default_factory=SeqCache)  # its blocks and computed tokens in the target's cache
     draft_ids: list[int] = field(default_factory=list)  # the draft's view of prompt+output
-    draft_cached: int = 0  # -1: this sequence never drafts (its draft context can't fit the cache)
+    draft: SeqCache = field(default_factory=SeqCache)  # ... in the draft's cache, in draft_ids
+    drafts: bool = True  # False: this sequence never drafts (no draft state, no draft blocks)
+    started: bool = False  # its per-request state is on the workers (it stays there while preempted)
     # draft-ahead: the next step's drafts, proposed during the last verify (target vocabulary); with
-    # them the draft cache holds draft_ids + ahead[:draft_cached - len(draft_ids)]
+    # them the draft cache holds draft_ids + ahead[:draft.computed - len(draft_ids)]
     ahead: list[int] | None = None
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -55,13 +63,18 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
 class Scheduler:
     def __init__(self, executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
-                 vocab_mapping: VocabMapping | None = None, vocab_size: int | None = None):
+                 vocab_mapping: VocabMapping | None = None, vocab_size: int | None = None,
+                 draft_max_len: int | None = None):
         self.executor = executor
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.vocab_mapping = vocab_mapping
@@ -69,8 +82,14 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.spec = config.speculative_config
         self.max_model_len = max_model_len
-        # the executor sized the KV caches from the memory budget: at most max_num_seqs slots
-        self.free_slots = list(range(getattr(executor, "num_slots", config.max_num_seqs) - 1, -1, -1))
+        # past its own context limit the draft stops drafting for a sequence; the target goes on alone
+        self.draft_max_len = min(max_model_len, draft_max_len or max_model_len)
+        self.max_num_seqs = config.resolved_max_num_seqs()
+        # the executor sized the caches from the memory budget; each model keeps its own blocks
+        self.target_kv = KVCacheManager(executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.draft_kv = KVCacheManager(executor.num_blocks, config.block_size, config.enable_prefix_caching) \
+            if self.spec else None
+        self._seq_ids = itertools.count()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SpecDecodeStats()
@@ -91,6 +110,13 @@ class Scheduler:
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything about a request that needs the engine's limits (vLLM's messages); ValueError."""
         n, limit = len(prompt_ids), self.max_model_len
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        longest = min(limit, n + params.max_tokens) if params.max_tokens is not None else limit
+        capacity = self.target_kv.capacity_tokens
+        if longest + k + 1 > capacity:  # it could never run, even alone: refuse now, never hang
+            raise ValueError(f"this request needs up to {longest + k + 1} tokens of KV cache ({n} prompt tokens, "
+                             f"max_tokens {params.max_tokens}, {k + 1} for a verify step); the whole cache holds "
+                             f"{capacity} tokens. Lower max_tokens or raise the server's KV cache budget.")
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
         if n >= limit:
@@ -108,10 +134,11 @@ class Scheduler:
         if bad:
             raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+            cache_salt: str | None = None) -> Sequence:
         self.check_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else next(self._seeds)
-        seq = Sequence(request_id, prompt, list(prompt_ids), params, seed,
+        seq = Sequence(request_id, prompt, list(prompt_ids), params, seed, next(self._seq_ids), cache_salt,
                        acceptance=self.acceptance.prior())
         self.waiting.append(seq)
         return seq
@@ -121,6 +148,8 @@ class Scheduler:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
                 seq.finish_reason = "abort"
+                if seq.started:  # preempted: its state on the workers goes too
+                    self._to_remove.append(seq.request_id)
                 return seq
         for seq in self.running:
             if seq.request_id == request_id:
@@ -179,41 +208,45 @@ class Scheduler:
         blocks = [self._ahead_block(seq) if ahead_on else None for seq in rows]
         for seq in rows:
             seq.ahead = None  # used now or never: the draft cache moves on either way
-        self.ahead_used += sum(1 for blk in blocks if blk)
         # whether drafting can pay at this batch size: once per round, not per row
-        pays = self.spec is not None and self.spec.adaptive and any(seq.draft_cached >= 0 for seq in rows) \
+        pays = self.spec is not None and self.spec.adaptive and any(seq.drafts for seq in rows) \
             and self.costs.can_pay(len(rows))
         ks = [len(blk) if blk else self._num_drafts(seq, len(rows), pays) for seq, blk in zip(rows, blocks)]
+        rows, ks, blocks = self._make_room(rows, ks, blocks, ahead_on)
+        if not rows:
+            return []
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
-            slots=[s.slot for s in rows],
-            starts=[s.target_cached for s in rows],
-            pending=[s.all_ids[s.target_cached:] for s in rows],
+            seq_ids=[s.seq_id for s in rows],
+            starts=[s.target.computed for s in rows],
+            pending=[s.all_ids[s.target.computed:] for s in rows],
             sampling=sampling,
+            tables=[s.target.blocks for s in rows],
             ahead_counts=[len(blk) if blk else 0 for blk in blocks],
         )
         # the draft proposes unpenalized (any q keeps verification exact): no histories
         draft_sampling = [replace(x, prompt_ids=(), output_ids=()) for x in sampling]
         drafting = [b for b, k in enumerate(ks) if k > 0 and not blocks[b]]
         for b in drafting:  # a fresh draft feeds at least the last committed token
-            rows[b].draft_cached = min(rows[b].draft_cached, len(rows[b].draft_ids) - 1)
+            rows[b].draft.computed = min(rows[b].draft.computed, len(rows[b].draft_ids) - 1)
         draft = None
         if drafting:
             draft = DraftBatch(
-                slots=[rows[b].slot for b in drafting],
-                starts=[rows[b].draft_cached for b in drafting],
-                pending=[rows[b].draft_ids[rows[b].draft_cached:] for b in drafting],
+                seq_ids=[rows[b].seq_id for b in drafting],
+                starts=[rows[b].draft.computed for b in drafting],
+                pending=[rows[b].draft_ids[rows[b].draft.computed:] for b in drafting],
                 num_drafts=[ks[b] for b in drafting],
                 sampling=[draft_sampling[b] for b in drafting],
+                tables=[rows[b].draft.blocks for b in drafting],
             )
         ahead = self._ahead_batch(rows, ks, blocks, draft_sampling) if ahead_on else None
-        ahead_rows = set(ahead.draft.slots) if ahead is not None else set()
+        ahead_rows = set(ahead.draft.seq_ids) if ahead is not None else set()
         self.ahead_drafted += len(ahead_rows)
         result = self.executor.step(verify, draft, ahead)
         proposed = {}
         if result.ahead is not None:
-            proposed = {slot: t for slot, t in zip(result.ahead.slots, result.ahead.tokens)
-                        if slot not in result.ahead.errors}
+            proposed = {i: t for i, t in zip(result.ahead.seq_ids, result.ahead.tokens)
+                        if i not in result.ahead.errors}
         for b, seq in enumerate(rows):
             if b in result.errors:
                 self._fail(seq, result.errors[b])
@@ -225,22 +258,22 @@ class Scheduler:
             self.acceptance.observe(k, accepted)
             self.stats.observe(k, accepted)
             n_pending = len(verify.pending[b])
-            seq.target_cached += n_pending + accepted
+            seq.target.computed += n_pending + accepted
             known = len(seq.draft_ids)  # before this step's tokens are appended
-            if seq.slot in ahead_rows:
+            if seq.seq_id in ahead_rows:
                 # the draft cache holds draft_ids + this step's drafts (+ the next block's proposals
                 # fed while drafting it, sequentially); the next block is good when every draft was
                 # accepted and the bonus token is the block's first proposal
-                nxt = proposed.get(seq.slot)
+                nxt = proposed.get(seq.seq_id)
                 if nxt is not None and len(nxt) == k + 1 and accepted == k and self._continues(new[-1], nxt[0], k):
                     seq.ahead = nxt[1:]
-                    seq.draft_cached = known + k + (k if not self.spec.parallel_drafting else 0)
+                    seq.draft.computed = known + k + (k if not self.spec.parallel_drafting else 0)
                 else:
-                    seq.draft_cached = known + accepted
+                    seq.draft.computed = known + accepted
             elif k > 0:
                 # the draft cache now holds all of draft_ids (its pending tokens were fed) and drafts
                 # 1..k-1; with parallel drafting it saw mask tokens in their place, so only draft_ids
-                seq.draft_cached = known + (0 if self.spec.parallel_drafting else min(accepted, k - 1))
+                seq.draft.computed = known + (0 if self.spec.parallel_drafting else min(accepted, k - 1))
             try:
                 self._append(seq, new, result.logprobs.get(b))
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing; fails this request only
@@ -249,6 +282,8 @@ class Scheduler:
             if seq.finished:
                 seq.ahead = None
                 self._release(seq)
+            else:
+                self._commit(seq)
         elapsed = time.perf_counter() - start
         if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
             # a draft's time includes catching up on the tokens it missed (plain steps before a
@@ -262,32 +297,82 @@ class Scheduler:
                                                  if k > 0 and b not in result.errors)))
         return rows
 
+    def _make_room(self, rows: list[Sequence], ks: list[int], blocks: list, ahead_on: bool):
+        """Blocks for every position this round writes, in both models. While the target's pool is
+        short, the most recently admitted request is preempted (it may be one of these rows); a row
+        whose draft can't grow drafts nothing this round."""
+        keep_rows, keep_ks, keep_blocks = [], [], []
+        for seq, k, blk in zip(rows, ks, blocks):
+            if seq not in self.running:  # preempted for an older row of this round
+                continue
+            while not self.target_kv.grow(seq.target, seq.num_tokens + k):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            if k > 0:
+                # fresh drafts write up to k - 1 past draft_ids; a draft-ahead block k + 1 more
+                reach = max(seq.draft.computed, len(seq.draft_ids)) + (2 * k + 2 if ahead_on else k)
+                if not self.draft_kv.grow(seq.draft, reach):
+                    k, blk = 0, None
+                    seq.draft.computed = min(seq.draft.computed, len(seq.draft_ids))
+            keep_rows.append(seq)
+            keep_ks.append(k)
+            keep_blocks.append(blk)
+        self.ahead_used += sum(1 for blk in keep_blocks if blk)
+        return keep_rows, keep_ks, keep_blocks
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later (vLLM v1's policy): its blocks go back, cached blocks of its prefix most
+        likely stay for its return. Its output, random streams and text are kept."""
+        self.running.remove(seq)
+        self.target_kv.free(seq.target)
+        if self.draft_kv is not None:
+            self.draft_kv.free(seq.draft)
+        seq.ahead = None
+        self.target_kv.counters.preemptions += 1
+        self.waiting.appendleft(seq)
+        log.info("request %s preempted (KV cache full: %d running); it resumes when blocks free up",
+                 seq.request_id, len(self.running))
+
+    def _commit(self, seq: Sequence) -> None:
+        """Hash the blocks this round filled with committed tokens, so later requests can share them."""
+        kv, bs = self.target_kv, self.target_kv.block_size
+        if kv.prefix_caching and seq.target.computed // bs > seq.target.hashed:
+            kv.commit(seq.target, seq.all_ids, seq.cache_salt, seq.target.computed)
+        if seq.drafts and self.draft_kv is not None:
+            upto = min(seq.draft.computed, len(seq.draft_ids) - 1)  # never the position the next step rewrites
+            if self.draft_kv.prefix_caching and upto // bs > seq.draft.hashed:
+                self.draft_kv.commit(seq.draft, seq.draft_ids, seq.cache_salt, upto)
+
     def _ahead_block(self, seq: Sequence) -> list[int] | None:
         """The drafts this row verifies from its draft-ahead block (None: it drafts afresh). Fewer
         than the block when the row's budget is smaller; the draft cache then keeps only what
         precedes the last of them."""
-        if not seq.ahead or seq.draft_cached < 0:
+        if not seq.ahead or not seq.drafts:
             return None
         k = min(len(seq.ahead), self._budget(seq) - 1)
         if k <= 0:
-            seq.draft_cached = min(seq.draft_cached, len(seq.draft_ids))
+            seq.draft.computed = min(seq.draft.computed, len(seq.draft_ids))
             return None
-        seq.draft_cached = min(seq.draft_cached, len(seq.draft_ids) + k - 1)
+        seq.draft.computed = min(seq.draft.computed, len(seq.draft_ids) + k - 1)
         return seq.ahead[:k]
 
     def _ahead_batch(self, rows: list[Sequence], ks: list[int], blocks: list, sampling: list[RowSampling]):
         """The next blocks to draft during this step's verify: k_b + 1 proposals after this step's k_b
         drafts, for each drafting row whose draft cache has room for them."""
-        slots, starts, pending, counts, fresh_from, rows_sampling = [], [], [], [], [], []
+        seq_ids, starts, pending, counts, fresh_from, rows_sampling, tables = [], [], [], [], [], [], []
         for b, seq in enumerate(rows):
             k = ks[b]
-            if k <= 0 or len(seq.draft_ids) + 2 * k + 1 > self.max_model_len:
+            if k <= 0 or len(seq.draft_ids) + 2 * k + 1 > self.draft_max_len:
                 continue
             if blocks[b]:  # drafts known: feed what the cache lacks of draft_ids + block
                 virtual = seq.draft_ids + (self.vocab_mapping.to_draft(blocks[b], retokenize=False)
                                            if self.vocab_mapping else blocks[b])
-                starts.append(seq.draft_cached)
-                pending.append(virtual[seq.draft_cached:])
+                starts.append(seq.draft.computed)
+                pending.append(virtual[seq.draft.computed:])
                 fresh_from.append(None)
             elif self.spec.parallel_drafting:  # the fresh call cached draft_ids only
                 starts.append(len(seq.draft_ids))
@@ -297,13 +382,14 @@ class Scheduler:
                 starts.append(len(seq.draft_ids) + k - 1)
                 pending.append([])
                 fresh_from.append(k - 1)
-            slots.append(seq.slot)
+            seq_ids.append(seq.seq_id)
+            tables.append(seq.draft.blocks)
             counts.append(k + 1)
             # held-back tokens (min_tokens) at the next block's positions, k + 1 further on
             rows_sampling.append(replace(sampling[b], hold_back_until=max(0, sampling[b].hold_back_until - k - 1)))
-        if not slots:
+        if not seq_ids:
             return None
-        return AheadBatch(DraftBatch(slots, starts, pending, counts, rows_sampling), fresh_from)
+        return AheadBatch(DraftBatch(seq_ids, starts, pending, counts, rows_sampling, tables), fresh_from)
 
     def _continues(self, bonus: int, first: int, k: int) -> bool:
         """Whether the draft-ahead block goes on from this step's last token. Synthetic acceptance
@@ -327,8 +413,15 @@ class Scheduler:
         failed = list(self.running)
         for seq in failed:
             seq.finish_reason, seq.error = "error", message
-            self.free_slots.append(seq.slot)
+            self._free_blocks(seq)
         self.running.clear()
+        # the new groups' caches hold nothing: no cached block may be hit, and preempted requests
+        # start over on them (their per-request state is gone with the old groups)
+        for kv in (self.target_kv, self.draft_kv):
+            if kv is not None:
+                kv.reset()
+        for seq in self.waiting:
+            seq.started = False
         self._to_remove.clear()  # the old groups' per-request state goes with them
         self.executor_down = True
         return failed
@@ -351,33 +444,31 @@ class Scheduler:
     # -- internals -------------------------------------------------------------------------
 
     def _admit(self) -> list[Sequence]:
-        """Prefill waiting requests into free slots; return those that failed doing so."""
+        """Prefill waiting requests (new or preempted) while the batch has room and the target's
+        pool holds their tokens; return those that failed doing so."""
         failed = []
-        while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
-            self.counters.num_prompt_tokens += len(seq.prompt_ids)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            resumed = seq.started
+            tokens = seq.all_ids  # a preempted request recomputes its output too
+            # prompt logprobs need every prompt position's logits: no cache hit for the first pass
+            use_cache = seq.params.prompt_logprobs is None or seq.prompt_logprobs is not None
+            if not self.target_kv.admit(seq.target, tokens, len(tokens) - 1, seq.cache_salt, use_cache):
+                if not self.running:  # nothing will free blocks: can't happen with check_request's bound
+                    raise RuntimeError("KV cache holds no blocks for a request that should fit")
+                break  # waits, in arrival order, for blocks to free up
+            self.waiting.popleft()
+            if not resumed:
+                self.counters.num_prompt_tokens += len(seq.prompt_ids)
             self.running.append(seq)  # from here on a failure ends it like any running sequence
             try:
-                gated = self.gate is not None and not self.gate.admit(self.acceptance, self.costs, len(self.running))
-                if self.spec is None or gated:  # gated: drafting can't pay at the acceptance measured
-                    seq.draft_cached = -1  # never drafts: no draft state, prefill or probes
-                self.executor.add_request(seq.request_id, seq.seed, draft=seq.draft_cached >= 0)
-                prefix = seq.prompt_ids[:-1]  # the last prompt token is fed by the first step
-                if seq.draft_cached >= 0 and self.vocab_mapping is not None:  # the draft reads the text in its tokens
-                    seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
-                elif seq.draft_cached >= 0:
-                    seq.draft_ids = list(seq.prompt_ids)
-                draft_prefix = seq.draft_ids[:-1]
-                if self.spec is not None and self.spec.adaptive and not self.costs.can_pay(len(self.running)):
-                    draft_prefix = []  # drafting doesn't pay at this batch size: prefill the draft if it ever does
-                if len(seq.draft_ids) >= self.max_model_len:  # too long for the draft's cache: no drafting
-                    draft_prefix = []
-                    seq.draft_cached = -1
+                self._start(seq, resumed)
+                draft_chunk = self._admit_draft(seq)
                 scored = None
-                if seq.params.prompt_logprobs is not None:  # the prompt's own log-probabilities, from the target
-                    scored = (seq.prompt_ids[-1], seq.params.prompt_logprobs)
-                got = self.executor.prefill(seq.slot, prefix, draft_prefix if self.spec else None, scored)
+                if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None:
+                    scored = (tokens[-1], seq.params.prompt_logprobs)  # the prompt's own, from the target
+                start = seq.target.computed  # the last token is fed by the first step
+                got = self.executor.prefill(Prefill(seq.target.blocks, start, tokens[start:-1]), draft_chunk, scored)
                 if scored is not None:
                     seq.prompt_logprobs = [None] + (got or [])
             except (StepError, ValueError) as e:
@@ -385,15 +476,53 @@ class Scheduler:
                 self._fail(seq, INTERNAL_ERROR)
                 failed.append(seq)
                 continue
-            seq.target_cached = len(prefix)
-            if seq.draft_cached >= 0:
-                seq.draft_cached = len(draft_prefix)
+            seq.target.computed = len(tokens) - 1
+            if draft_chunk is not None:
+                seq.draft.computed = draft_chunk.start + len(draft_chunk.tokens)
+            self._commit(seq)
         return failed
+
+    def _start(self, seq: Sequence, resumed: bool) -> None:
+        """A new request's state on the workers and the draft's view of its prompt (once: a
+        preempted request keeps both)."""
+        if resumed:
+            return
+        gated = self.gate is not None and not self.gate.admit(self.acceptance, self.costs, len(self.running))
+        if self.spec is None or gated:  # gated: drafting can't pay at the acceptance measured
+            seq.drafts = False  # never drafts: no draft state, prefill or probes
+        self.executor.add_request(seq.request_id, seq.seed, draft=seq.drafts)
+        seq.started = True
+        if seq.drafts and self.vocab_mapping is not None:  # the draft reads the text in its tokens
+            seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
+        elif seq.drafts:
+            seq.draft_ids = list(seq.prompt_ids)
+        if len(seq.draft_ids) >= self.draft_max_len:  # past the draft's context: the target goes alone
+            seq.drafts = False
+
+    def _admit_draft(self, seq: Sequence) -> Prefill | None:
+        """The draft's blocks (its own prefix-cache hit included) and the chunk it prefills; None
+        when it prefills nothing (it doesn't draft, or drafting doesn't pay at this batch size yet:
+        it catches up if it ever does)."""
+        if not seq.drafts or self.draft_kv is None:
+            return None
+        ids = seq.draft_ids  # a preempted request's covers the output it had
+        if not self.draft_kv.admit(seq.draft, ids, len(ids) - 1, seq.cache_salt):
+            seq.drafts = False  # no room in the draft's pool now: this request decodes plainly
+            return None
+        if self.spec.adaptive and not self.costs.can_pay(len(self.running)):
+            return None
+        start = seq.draft.computed
+        return Prefill(seq.draft.blocks, start, ids[start:-1])
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.target_kv.free(seq.target)
+        if self.draft_kv is not None:
+            self.draft_kv.free(seq.draft)
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self.free_slots.append(seq.slot)
+            self._free_blocks(seq)
             self._to_remove.append(seq.request_id)
 
     def _budget(self, seq: Sequence) -> int:
@@ -410,8 +539,8 @@ class Scheduler:
         if self.spec.adaptive:
             k = adaptive_k(seq.acceptance, self.costs.for_batch(batch), k) if pays else 0
         # with another tokenizer the draft may need more tokens than the target for the same text
-        # (Thai: ~6x): past max_model_len of its own tokens it stops drafting, its cache would overflow
-        if seq.draft_cached < 0 or len(seq.draft_ids) + k > self.max_model_len:
+        # (Thai: ~6x): past its own context limit it stops drafting; the target goes on alone
+        if not seq.drafts or len(seq.draft_ids) + k > self.draft_max_len:
             return 0
         return max(0, min(k, self._budget(seq) - 1))
 
@@ -448,7 +577,7 @@ class Scheduler:
                 break
         if not p.stop:
             self._detokenize(seq)
-        if seq.draft_cached >= 0:  # the draft's view, for a request that may draft
+        if seq.drafts:  # the draft's view, for a request that may draft
             added = seq.output_ids[start:]
             seq.draft_ids.extend(self.vocab_mapping.to_draft(added) if self.vocab_mapping else added)
 

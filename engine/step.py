@@ -13,6 +13,15 @@ from engine.config import SamplingParams
 
 
 @dataclass(frozen=True)
+class Prefill:
+    """Prompt tokens one model writes at positions start.. of one sequence, through its block table."""
+
+    table: list[int]
+    start: int
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
 class RowSampling:
     """How one sequence samples at the positions of this step."""
 
@@ -28,28 +37,29 @@ class RowSampling:
 
 @dataclass
 class DraftBatch:
-    slots: list[int]  # [B] KV slot of each sequence in the draft model's cache
+    seq_ids: list[int]  # [B] each row's sequence (rows are matched across calls by it)
     starts: list[int]  # [B] cache position of pending[b][0]
     pending: list[list[int]]  # [B][>=1] draft-vocabulary tokens the draft cache has not seen yet
     num_drafts: list[int]  # [B] k_b >= 1 tokens to propose
     sampling: list[RowSampling]  # [B]
+    tables: list[list[int]]  # [B] block table in the draft's cache, covering every position the row writes
 
 
 @dataclass
 class DraftOutput:
-    slots: list[int]  # [B] as in the DraftBatch (the verifier matches rows by slot)
+    seq_ids: list[int]  # [B] as in the DraftBatch (the verifier matches rows by seq_id)
     tokens: list[list[int]]  # [B][k_b] proposals, in the target's vocabulary
     # [sum k_b, V_target]: the draft distributions, flat in row order (probabilistic drafting), else None
     probs: Tensor | None = None
     elapsed_s: float = 0.0  # the draft group's compute time for this batch
-    errors: dict[int, str] = field(default_factory=dict)  # slot -> why that row failed (its drafts are void)
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why that row failed (its drafts are void)
 
-    def for_slots(self, slots: list[int], spans: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], Tensor | None]:
-        """Drafts in the order of `slots` (none for a slot that was not drafted, or failed), and
-        their distributions flat in that order. `spans[i]` = (first, count): only those of slot i's
+    def for_seqs(self, seq_ids: list[int], spans: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], Tensor | None]:
+        """Drafts in the order of `seq_ids` (none for a seq_id that was not drafted, or failed), and
+        their distributions flat in that order. `spans[i]` = (first, count): only those of seq_id i's
         drafts (a draft-ahead block is a row's drafts after its first); count 0: none."""
-        index = {slot: i for i, slot in enumerate(self.slots)}
-        rows = [index.get(slot) if slot not in self.errors else None for slot in slots]
+        index = {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
+        rows = [index.get(seq_id) if seq_id not in self.errors else None for seq_id in seq_ids]
         spans = spans or [(0, len(self.tokens[i]) if i is not None else 0) for i in rows]
         tokens = [self.tokens[i][a: a + n] if i is not None else [] for i, (a, n) in zip(rows, spans)]
         if self.probs is None:
@@ -62,21 +72,21 @@ class DraftOutput:
 
     def summary(self) -> "DraftOutput":
         """The proposals without their distributions (what the scheduler reads of a draft-ahead block)."""
-        return DraftOutput(self.slots, self.tokens, None, self.elapsed_s, self.errors)
+        return DraftOutput(self.seq_ids, self.tokens, None, self.elapsed_s, self.errors)
 
 
-def merge_drafts(slots: list[int], fresh: DraftOutput | None, ahead: DraftOutput | None,
+def merge_drafts(seq_ids: list[int], fresh: DraftOutput | None, ahead: DraftOutput | None,
                  ahead_counts: list[int]) -> tuple[list[list[int]], Tensor | None]:
     """Each row's drafts for one verify step: ahead_counts[b] > 0 takes that many of the previous
     draft-ahead block's proposals after its first (the first stood for the bonus token), else the
     fresh drafts; their distributions flat in row order (None when drafting is greedy)."""
-    B = len(slots)
+    B = len(seq_ids)
     if ahead is None or not any(ahead_counts):
-        return fresh.for_slots(slots) if fresh is not None else ([[]] * B, None)
+        return fresh.for_seqs(seq_ids) if fresh is not None else ([[]] * B, None)
     from_ahead = [b for b in range(B) if ahead_counts[b] > 0]
-    tokens_a, q_a = ahead.for_slots([slots[b] for b in from_ahead], [(1, ahead_counts[b]) for b in from_ahead])
+    tokens_a, q_a = ahead.for_seqs([seq_ids[b] for b in from_ahead], [(1, ahead_counts[b]) for b in from_ahead])
     rest = [b for b in range(B) if ahead_counts[b] == 0]
-    tokens_f, q_f = fresh.for_slots([slots[b] for b in rest]) if fresh is not None else ([[]] * len(rest), None)
+    tokens_f, q_f = fresh.for_seqs([seq_ids[b] for b in rest]) if fresh is not None else ([[]] * len(rest), None)
     tokens: list[list[int]] = [[] for _ in range(B)]
     for b, t in zip(from_ahead, tokens_a):
         tokens[b] = t
@@ -97,10 +107,11 @@ def merge_drafts(slots: list[int], fresh: DraftOutput | None, ahead: DraftOutput
 
 @dataclass
 class VerifyBatch:
-    slots: list[int]  # [B]
+    seq_ids: list[int]  # [B]
     starts: list[int]  # [B] cache position of pending[b][0]
     pending: list[list[int]]  # [B][>=1] target tokens the target cache has not seen (the last committed)
     sampling: list[RowSampling]  # [B]
+    tables: list[list[int]]  # [B] block table in the target's cache, covering pending + the row's drafts
     # [B] with draft-ahead: > 0 takes that many drafts from the previous step's draft-ahead block
     # (after its first proposal), 0 the fresh drafts; empty: all fresh
     ahead_counts: list[int] = field(default_factory=list)
@@ -111,7 +122,7 @@ class AheadBatch:
     """Draft-ahead: the draft group proposes the next block while the target verifies this one, for
     each row as if this step's drafts were accepted whole. `draft.num_drafts[b]` is k_b + 1 (the first
     proposal stands for the target's bonus token). `fresh_from[b]`: None when `draft.pending[b]` is
-    everything the draft cache lacks; j: this step's fresh proposals for the row's slot from the j-th
+    everything the draft cache lacks; j: this step's fresh proposals for the row's seq_id from the j-th
     on (in the draft's vocabulary) follow its pending tokens (they are not known before the step)."""
 
     draft: DraftBatch

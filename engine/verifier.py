@@ -24,12 +24,12 @@ class Verifier:
     def verify(self, batch: VerifyBatch, drafts: DraftOutput | None, ahead: DraftOutput | None = None) -> VerifyOutput:
         """`drafts`: this step's fresh proposals; `ahead`: the previous step's draft-ahead blocks, for
         the rows batch.ahead_counts names."""
-        B = len(batch.slots)
+        B = len(batch.seq_ids)
         dev = self.worker.device
-        row_drafts, q = merge_drafts(batch.slots, drafts, ahead, batch.ahead_counts or [0] * B)
+        row_drafts, q = merge_drafts(batch.seq_ids, drafts, ahead, batch.ahead_counts or [0] * B)
         counts = [len(d) for d in row_drafts]
         feed = [batch.pending[b] + row_drafts[b] for b in range(B)]
-        logits = self.worker.forward(batch.slots, batch.starts, feed)  # [B, T, V]
+        logits = self.worker.forward(batch.tables, batch.starts, feed)  # [B, T, V]
         V = logits.shape[2]
         # row b's k_b + 1 verified positions, flat: vLLM's [num_draft_tokens + B, V]
         flat, firsts = scored_positions(logits, batch.pending, [k + 1 for k in counts])
@@ -44,8 +44,8 @@ class Verifier:
             errors = {}
             if drafts is not None:
                 for b in range(B):
-                    if batch.slots[b] in drafts.errors:
-                        errors[b], out[b] = drafts.errors[batch.slots[b]], []
+                    if batch.seq_ids[b] in drafts.errors:
+                        errors[b], out[b] = drafts.errors[batch.seq_ids[b]], []
             return VerifyOutput(tokens=out, num_accepted=[0] * B, errors=errors, logprobs={})
         lp_logits = None
         if lp_rows:
@@ -72,8 +72,8 @@ class Verifier:
         out, num_accepted, errors = [], [], {}
         for b, row in enumerate(result):
             n = row[-2]
-            if row[-1] or (drafts is not None and batch.slots[b] in drafts.errors):
-                errors[b] = drafts.errors.get(batch.slots[b], INVALID_DISTRIBUTION) if drafts else INVALID_DISTRIBUTION
+            if row[-1] or (drafts is not None and batch.seq_ids[b] in drafts.errors):
+                errors[b] = drafts.errors.get(batch.seq_ids[b], INVALID_DISTRIBUTION) if drafts else INVALID_DISTRIBUTION
                 out.append([])
                 num_accepted.append(0)
             else:

@@ -1,7 +1,7 @@
 """ModelWorker: one model shard on one device, with its KV cache and per-request RNGs.
 
 The worker knows nothing of requests' lifetimes beyond what each call says: the scheduler owns
-slots and lengths. Drafting and verification are its two jobs (proposer.py, verifier.py).
+block tables and lengths. Drafting and verification are its two jobs (proposer.py, verifier.py).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _return_freed_memory() -> None:
 
 
 class ModelWorker:
-    def __init__(self, source: ModelSource, num_slots: int | None, max_len: int, dtype: torch.dtype,
+    def __init__(self, source: ModelSource, num_blocks: int | None, block_size: int, dtype: torch.dtype,
                  device: str = "cpu", rng_stream: str = "target", pack: bool = True,
                  rank: int = 0, world: int = 1, group=None, gguf_blocks: bool = True):
         if source.kind == "hf_dir":  # each rank reads only its slices
@@ -57,18 +57,18 @@ class ModelWorker:
         _return_freed_memory()
         self.args = self.model.args
         self.hf_config = config
-        self.device, self.dtype, self.max_len = device, dtype, max_len
+        self.device, self.dtype, self.block_size = device, dtype, block_size
         self.cache = None
-        if num_slots is not None:  # else allocate_cache, once the engine knows how many fit
-            self.allocate_cache(num_slots)
+        if num_blocks is not None:  # else allocate_cache, once the engine knows how many fit
+            self.allocate_cache(num_blocks)
         self.rng_stream = rng_stream  # target and draft draw from independent streams
         self.generators: dict[str, torch.Generator] = {}
 
-    def slot_bytes(self) -> int:
-        """One sequence's KV cache on this rank: keys and values of every layer, max_len tokens."""
+    def block_bytes(self) -> int:
+        """One KV block on this rank: keys and values of every layer, block_size tokens."""
         local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's share
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.args.num_layers * local_kv_heads * self.max_len * self.args.head_dim * itemsize
+        return 2 * self.args.num_layers * local_kv_heads * self.block_size * self.args.head_dim * itemsize
 
     def weight_bytes(self) -> int:
         tensors = {id(p): p.numel() * p.element_size() for p in self.model.parameters()}
@@ -78,10 +78,10 @@ class ModelWorker:
                 tensors[id(blocks.q)] = blocks.nbytes
         return sum(tensors.values())
 
-    def allocate_cache(self, num_slots: int) -> None:
+    def allocate_cache(self, num_blocks: int) -> None:
         self.cache = None  # the old one first: a restart may replace it
         local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
-        self.cache = KVCache(self.args.num_layers, num_slots, self.max_len, local_kv_heads,
+        self.cache = KVCache(self.args.num_layers, num_blocks, self.block_size, local_kv_heads,
                              self.args.head_dim, self.dtype, self.device)
 
     @property
@@ -117,9 +117,10 @@ class ModelWorker:
         return uniforms[:, :width], uniforms[:, width]
 
     @torch.inference_mode()
-    def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]] | Tensor,
+    def forward(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]] | Tensor,
                 last_only: bool = False) -> Tensor:
-        """Ragged forward: row b writes tokens[b] at positions starts[b].. of slot slots[b].
+        """Ragged forward: row b writes tokens[b] at positions starts[b].. through its block table
+        tables[b] (which covers them; padding positions past it land in the null block).
         `tokens` is host lists, or a [B, T] tensor on this device (every row T tokens: no host read).
 
         Returns float32 logits [B, T, V] (padded rows past len(tokens[b]) are garbage),
@@ -136,20 +137,25 @@ class ModelWorker:
             for b, row in enumerate(tokens):
                 ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
             ids = ids.to(dev)
-        # padding continues the row's positions; the cache has room past max_model_len for it
+        # padding continues the row's positions; its table is padded with the null block to cover them
         positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(T)[None, :]
+        width = -(-(max(starts) + T) // self.block_size)
+        table = torch.zeros(B, width, dtype=torch.long)
+        for b, row in enumerate(tables):
+            row = row[:width]
+            table[b, : len(row)] = torch.tensor(row, dtype=torch.long)
         logit_index = torch.tensor([[n - 1] for n in lengths]).to(dev) if last_only else None
-        return self.model(ids, positions.to(dev), self.cache, torch.tensor(slots, device=dev), logit_index)
+        return self.model(ids, positions.to(dev), self.cache, table.to(dev), logit_index)
 
     @torch.inference_mode()
-    def prefill_scored(self, slot: int, tokens: list[int], answers: list[int], top: int,
+    def prefill_scored(self, table: list[int], tokens: list[int], answers: list[int], top: int,
                        chunk: int = 64) -> list[tuple[float, int, list[tuple[int, float]]]]:
         """prefill(), also scoring answers[i] (the token after tokens[i]) by the model's own
         log-softmax: (log-probability, rank, the `top` most likely as (token, log-probability)). Chunks are small: each one's logits
         span the vocabulary."""
         out = []
         for start in range(0, len(tokens), chunk):
-            logits = self.forward([slot], [start], [tokens[start:start + chunk]])[0]
+            logits = self.forward([table], [start], [tokens[start:start + chunk]])[0]
             lp = torch.log_softmax(logits, dim=-1)
             picked = lp.gather(1, torch.tensor(answers[start:start + chunk], device=lp.device)[:, None])
             rank = ((lp > picked).sum(-1) + 1).tolist()
@@ -161,7 +167,8 @@ class ModelWorker:
             out.extend((p, r, list(zip(ids[i], values[i])) if top else []) for i, (p, r) in enumerate(zip(picked, rank)))
         return out
 
-    def prefill(self, slot: int, tokens: list[int], chunk: int = 512) -> None:
-        """Write tokens at positions 0.. of slot (no logits needed: the next step feeds the last token)."""
-        for start in range(0, len(tokens), chunk):
-            self.forward([slot], [start], [tokens[start:start + chunk]], last_only=True)
+    def prefill(self, table: list[int], start: int, tokens: list[int], chunk: int = 512) -> None:
+        """Write tokens at positions start.. through a block table (no logits needed: the next step
+        feeds the last prompt token)."""
+        for at in range(0, len(tokens), chunk):
+            self.forward([table], [start + at], [tokens[at:at + chunk]], last_only=True)

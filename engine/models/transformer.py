@@ -2,7 +2,7 @@
 
 Module names match the Hugging Face checkpoints, so a HF state dict loads as it is.
 The forward is ragged: B rows, each with its own start position and up to T new tokens,
-reading and writing a slot-based KV cache (engine/kv_cache.py).
+reading and writing a paged KV cache through each row's block table (engine/kv_cache.py).
 
 On CPU in float32, once `pack_linears` has run, the ops between linears run on our kernels
 (csrc/decode_ops.cpp) and a decode or verify step runs each layer as one C++ call
@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kv_cache import slot_rows
 from engine.models.gguf_blocks import BlockWeight
 from engine.models.linear import embedding, linear, set_blocks
 from engine.models.skinny import MAX_ROWS
@@ -168,7 +167,7 @@ class Attention(nn.Module):
             cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
             qk = self.q_norm is not None
             out = torch.ops.tandem.decode_attention(
-                qkv, ctx.positions, ctx.slots, ctx.cache.k[self.layer], ctx.cache.v[self.layer], cos, sin,
+                qkv, ctx.positions, ctx.tables, ctx.cache.k[self.layer], ctx.cache.v[self.layer], cos, sin,
                 self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
                 self.q_norm.eps if qk else 0.0, self.q_norm.offset if qk else 0.0, self.num_heads, self.scale,
                 self.window or 0)
@@ -186,7 +185,7 @@ class Attention(nn.Module):
         cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        keys, values = ctx.cache.update(self.layer, ctx.slots, ctx.positions, k, v, ctx.key_len, ctx.read_slots)
+        keys, values = ctx.cache.update(self.layer, ctx.tables, ctx.positions, k, v, ctx.key_len, ctx.read_blocks)
         mask = ctx.global_mask if self.window is None else ctx.window_mask(self.window)
         out = attention(q, keys, values, mask, self.scale)  # [B, H, T, D]
         return self._project_out(out.transpose(1, 2).reshape(B, T, -1))
@@ -301,11 +300,11 @@ class Backbone(nn.Module):
 
 
 class ForwardContext:
-    """What every layer of one forward call shares: cache rows, positions, masks, rotary tables."""
+    """What every layer of one forward call shares: block tables, positions, masks, rotary tables."""
 
-    def __init__(self, args: ModelArgs, cache, slots: Tensor, positions: Tensor, dtype: torch.dtype,
+    def __init__(self, args: ModelArgs, cache, tables: Tensor, positions: Tensor, dtype: torch.dtype,
                  cpu_kernels: bool = False):
-        self.cache, self.slots, self.positions = cache, slots, positions  # slots [B], positions [B, T]
+        self.cache, self.tables, self.positions = cache, tables, positions  # tables [B, blocks], positions [B, T]
         self.cpu_kernels = cpu_kernels
         self.layer_rope = args.layer_rope
         self._global_mask: Tensor | None = None
@@ -318,10 +317,10 @@ class ForwardContext:
             s = args.rope_scaling[kind]
             self.rope[kind] = ((emb.cos() * s).to(dtype), (emb.sin() * s).to(dtype))
 
-    # read_slots, key_len and the masks: on first use (the C++ decode layers need none of them)
+    # read_blocks, key_len and the masks: on first use (the C++ decode layers need none of them)
     @functools.cached_property
-    def read_slots(self) -> slice | Tensor:
-        return slot_rows(self.slots)
+    def read_blocks(self) -> Tensor:
+        return self.cache.read_blocks(self.tables, self.key_len)
 
     @functools.cached_property
     def key_len(self) -> int:
@@ -392,9 +391,10 @@ class Transformer(nn.Module):
         self.decode_layers = built
         return True
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache, slots: Tensor,
+    def forward(self, tokens: Tensor, positions: Tensor, cache, tables: Tensor,
                 logit_index: Tensor | None = None) -> Tensor:
-        """tokens, positions: [B, T]; slots: [B]; logit_index: [B, L] rows of T to return logits for.
+        """tokens, positions: [B, T]; tables: [B, blocks] each row's block table (covering its
+        positions); logit_index: [B, L] rows of T to return logits for.
 
         Returns float32 logits [B, L, V] (L = T when logit_index is None).
         """
@@ -403,13 +403,13 @@ class Transformer(nn.Module):
         if self.args.embed_scale != 1.0:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         kernels = self.cpu_kernels and x.device.type == "cpu" and x.dtype == torch.float32
-        ctx = ForwardContext(self.args, cache, slots.contiguous(), positions.contiguous(), x.dtype, kernels)
+        ctx = ForwardContext(self.args, cache, tables.contiguous(), positions.contiguous(), x.dtype, kernels)
         B, T = tokens.shape
         if kernels and self.decode_layers is not None and T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS:
             flat = x.reshape(B * T, -1).contiguous()
             for i, layer in enumerate(self.decode_layers):
                 cos, sin = ctx.rope[self.args.layer_rope[i]]
-                flat = layer.forward(flat, ctx.positions, ctx.slots, cache.k[i], cache.v[i], cos, sin)
+                flat = layer.forward(flat, ctx.positions, ctx.tables, cache.k[i], cache.v[i], cos, sin)
             x = flat.view(B, T, -1)
         else:
             for layer in m.layers:

@@ -122,10 +122,11 @@ inline void rope(float* x, const float* cos, const float* sin, int64_t d) {
 }
 
 // One step's attention for rows of B sequences x T new tokens, from the fused q|k|v projection.
-// Writes each new token's key (normed, rotated) and value into the cache at its slot and position
-// first, then each query reads keys [lo, pos] of its slot, lo = pos - window + 1 for a sliding
-// window layer (window 0: none). cos, sin: [B, T, D] rotary tables at those positions.
-at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& slots,
+// Writes each new token's key (normed, rotated) and value into the paged cache first (position p of
+// row b: block tables[b][p / block_size], offset p % block_size), then each query reads keys [lo, pos]
+// of its row, lo = pos - window + 1 for a sliding window layer (window 0: none). cos, sin: [B, T, D]
+// rotary tables at those positions. The arithmetic does not depend on where a block lives.
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& tables,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
                             const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                             double eps, double norm_offset, int64_t num_heads, double scale, int64_t window) {
@@ -133,13 +134,15 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
   TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "decode_attention: positions must be int64 [B, T]");
   const int64_t B = positions.size(0), T = positions.size(1);
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == B,
-              "decode_attention: slots must be int64 [B]");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == B,
+              "decode_attention: block tables must be int64 [B, blocks]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "decode_attention: caches must be contiguous float32 [slots, kv_heads, max_len, head_dim]");
-  const int64_t num_slots = k_cache.size(0), Hkv = k_cache.size(1), L = k_cache.size(2), D = k_cache.size(3);
-  const int64_t H = num_heads;
+              "decode_attention: caches must be contiguous float32 [blocks, kv_heads, block_size, head_dim]");
+  const int64_t num_blocks = k_cache.size(0), Hkv = k_cache.size(1), BS = k_cache.size(2), D = k_cache.size(3);
+  const int64_t H = num_heads, NB = tables.size(1);
+  TORCH_CHECK(BS > 0 && (BS & (BS - 1)) == 0, "decode_attention: block size must be a power of two");
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(BS));
   TORCH_CHECK(H % Hkv == 0 && qkv.size(0) == B * T && qkv.size(1) == (H + 2 * Hkv) * D,
               "decode_attention: qkv must be [B * T, (heads + 2 kv_heads) * head_dim]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.numel() == B * T * D &&
@@ -155,16 +158,17 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
     kn = k_norm->data_ptr<float>();
   }
   const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "decode_attention: slot out of range");
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK(pos[b * T + t] >= 0 && pos[b * T + t] < L, "decode_attention: position out of range");
-  }
+  const int64_t* table = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * NB; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "decode_attention: block id out of range");
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(pos[i] >= 0 && (pos[i] >> shift) < NB, "decode_attention: position outside its block table");
   const float *qkvp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  auto cache_at = [&](float* c, int64_t b, int64_t g, int64_t p) {
+    return c + ((table[b * NB + (p >> shift)] * Hkv + g) * BS + (p & (BS - 1))) * D;
+  };
   const int64_t width = qkv.size(1);
-  auto cache_at = [&](float* c, int64_t b, int64_t g, int64_t p) { return c + ((slot[b] * Hkv + g) * L + p) * D; };
 
   for (int64_t row = 0; row < B * T; ++row) {  // this step's keys and values into the cache
     const int64_t b = row / T;
@@ -186,6 +190,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
   const int64_t items = B * T * H, grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, longest * D));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> q(D), scores(longest);
+    std::vector<const float*> keys(longest), values(longest);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / H, h = item % H, b = row / T, g = h / (H / Hkv);
       const float* src = qkvp + row * width + h * D;
@@ -193,11 +198,13 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
       else std::copy(src, src + D, q.data());
       rope(q.data(), cp + row * D, sp + row * D, D);
       const int64_t p = pos[row], lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, n = p + 1 - lo;
-      const float* keys = cache_at(kc, b, g, lo);
-      const float* values = cache_at(vc, b, g, lo);
+      for (int64_t s = 0; s < n; ++s) {  // each position's key and value rows, through the block table
+        keys[s] = cache_at(kc, b, g, lo + s);
+        values[s] = cache_at(vc, b, g, lo + s);
+      }
       float top = -INFINITY;
       for (int64_t s = 0; s < n; ++s) {
-        scores[s] = dot(q.data(), keys + s * D, D) * (float)scale;
+        scores[s] = dot(q.data(), keys[s], D) * (float)scale;
         top = std::max(top, scores[s]);
       }
       __m512 total = _mm512_setzero_ps();
@@ -213,7 +220,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
         const __mmask16 m = tail_mask(D - i);
         __m512 acc = _mm512_setzero_ps();
         for (int64_t s = 0; s < n; ++s)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[s]), _mm512_maskz_loadu_ps(m, values + s * D + i), acc);
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[s]), _mm512_maskz_loadu_ps(m, values[s] + i), acc);
         _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
       }
     }
@@ -226,7 +233,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
 TORCH_LIBRARY_FRAGMENT(tandem, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
   lib.def("gated_act(Tensor gate_up, bool gelu) -> Tensor");
-  lib.def("decode_attention(Tensor qkv, Tensor positions, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+  lib.def("decode_attention(Tensor qkv, Tensor positions, Tensor tables, Tensor(a!) k_cache, Tensor(b!) v_cache, "
           "Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, float norm_offset, int num_heads, "
           "float scale, int window) -> Tensor");
 }
