@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_bench import PROMPTS, RESULTS, SpecState, generate, take_turns  # noqa: E402
 
+from engine.kv_cache import static_tables
 from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
@@ -53,9 +54,10 @@ class DraftingState(SpecState):
 def propose_ms(core: EngineCore, k: int, mask_token: int | None, context: int = 64, repeats: int = 7) -> float:
     proposer = core.executor.draft.proposer
     proposer.mask_token = mask_token
-    proposer.worker.forward([0], [0], [[1] * context])
-    batch = DraftBatch(slots=[0], starts=[context], pending=[[1]], num_drafts=[k],
-                       sampling=[RowSampling("bench", SamplingParams(temperature=0.0))])
+    table = static_tables(1, context + k + 1, proposer.worker.block_size)
+    proposer.worker.forward(table, [0], [[1] * context])
+    batch = DraftBatch(seq_ids=[0], starts=[context], pending=[[1]], num_drafts=[k],
+                       sampling=[RowSampling("bench", SamplingParams(temperature=0.0))], tables=table)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
@@ -67,11 +69,12 @@ def propose_ms(core: EngineCore, k: int, mask_token: int | None, context: int = 
 @torch.inference_mode()
 def target_step_ms(core: EngineCore, context: int = 64, repeats: int = 7) -> float:
     worker = core.executor.target.worker
-    worker.forward([0], [0], [[1] * context])
+    table = static_tables(1, context + 1, worker.block_size)
+    worker.forward(table, [0], [[1] * context])
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        worker.forward([0], [context], [[1]])
+        worker.forward(table, [context], [[1]])
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) * 1e3
 

@@ -63,7 +63,10 @@ def main() -> None:
     old_sampling = module_at(BEFORE, "engine/sampling.py", "old_sampling")
     old_rejection = module_at(BEFORE, "engine/rejection.py", "old_rejection")
 
-    worker = ModelWorker(resolve_model("google/gemma-3-270m"), num_slots=8, max_len=256, dtype=torch.float32)
+    from engine.kv_cache import static_tables
+
+    worker = ModelWorker(resolve_model("google/gemma-3-270m"), num_blocks=8 * 16 + 1, block_size=16, dtype=torch.float32)
+    tables = static_tables(8, 256, 16)
     vocab = worker.vocab_size
     from engine.models.loading import load_tokenizer
 
@@ -80,13 +83,13 @@ def main() -> None:
             else:
                 prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(batch)]
             for b, p in enumerate(prompts):
-                worker.prefill(b, p[:-1])  # the step feeds the last prompt token
+                worker.prefill(tables[b], 0, p[:-1])  # the step feeds the last prompt token
             drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for _ in range(batch)]
             if args.drafts == "target":
                 drafts = [[] for _ in range(batch)]
                 for step in range(k):
                     last = [q[-1] for q in prompts] if step == 0 else [d[-1] for d in drafts]
-                    out = worker.forward(list(range(batch)), [31 + step] * batch, [[t] for t in last], last_only=True)
+                    out = worker.forward(tables[:batch], [31 + step] * batch, [[t] for t in last], last_only=True)
                     for b, t in enumerate(out[:, 0].argmax(-1).tolist()):
                         drafts[b].append(t)
             feed = [[p[-1]] + d for p, d in zip(prompts, drafts)]
@@ -97,7 +100,7 @@ def main() -> None:
             logits = None
             for _ in range(args.iters):
                 start = time.perf_counter()
-                logits = worker.forward(list(range(batch)), [31] * batch, feed)
+                logits = worker.forward(tables[:batch], [31] * batch, feed)
                 times["forward"].append(time.perf_counter() - start)
 
                 start = time.perf_counter()  # before: the old verifier's per-row loop

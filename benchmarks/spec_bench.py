@@ -117,15 +117,18 @@ def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens:
 @torch.inference_mode()
 def measure_costs(core: EngineCore, k: int, context: int = 64, repeats: int = 7) -> tuple[float, float]:
     """c = draft step / target step and v = target step with k+1 tokens / with 1, timed directly on
-    the engine's workers (slot 0, free between requests) at `context` cached tokens."""
+    the engine's workers (blocks 1.., free between requests) at `context` cached tokens."""
     import statistics
 
+    from engine.kv_cache import static_tables
+
     def ms(worker, n):
-        worker.forward([0], [0], [[1] * context])  # fill the cache up to `context`
+        table = static_tables(1, context + n, worker.block_size)
+        worker.forward(table, [0], [[1] * context])  # fill the cache up to `context`
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            worker.forward([0], [context], [[1] * n])
+            worker.forward(table, [context], [[1] * n])
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 

@@ -22,7 +22,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences decoding at once (default 16 on a CPU, 256 on a GPU)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default 16)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share cached blocks of a common prompt prefix between requests (default on)")
     p.add_argument("--max-queued-requests", type=int, default=64)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -35,7 +39,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each GPU for weights and KV cache (default 0.9); the KV cache gets what is left")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache bytes per device (on CPU the only budget; unset: max-num-seqs slots)")
+                   help="KV cache bytes per device (unset: gpu-memory-utilization on a GPU, 4 GiB on a CPU)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 and gRPC (visible in ps: prefer "

@@ -46,9 +46,33 @@ class EngineCollector:
         running = GaugeMetricFamily("tandem:num_requests_running", "Requests in the batch", labels=labels)
         running.add_metric(value, self.engine.num_running())
         yield running
-        waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests waiting for a slot", labels=labels)
+        waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests waiting to be admitted (new or preempted)",
+                                    labels=labels)
         waiting.add_metric(value, self.engine.num_waiting())
         yield waiting
+        yield from self._cache_metrics(labels, value)
+
+    def _cache_metrics(self, labels: list[str], value: list[str]):
+        """vLLM's cache metrics, one series per model (target, draft): each has its own blocks."""
+        sched = self.engine.core.scheduler
+        managers = {"target": sched.target_kv, "draft": sched.draft_kv}
+        by_model = labels + ["model"]
+        usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)",
+                                  labels=by_model)
+        queries = CounterMetricFamily("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels=by_model)
+        hits = CounterMetricFamily("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   labels=by_model)
+        preempted = CounterMetricFamily("tandem:num_preemptions", "Requests preempted for want of KV blocks "
+                                        "(the target's pool decides; the draft's never preempts)", labels=by_model)
+        for name, kv in managers.items():
+            if kv is None:
+                continue
+            usage.add_metric(value + [name], kv.pool.usage())
+            queries.add_metric(value + [name], kv.counters.queries)
+            hits.add_metric(value + [name], kv.counters.hits)
+            preempted.add_metric(value + [name], kv.counters.preemptions)
+        yield from (usage, queries, hits, preempted)
 
 
 _registries: dict[int, CollectorRegistry] = {}

@@ -19,7 +19,7 @@ from typing import Any
 from engine.config import EngineConfig, SamplingParams, check_cache_salt
 from engine.core import EngineCore
 from engine.errors import INTERNAL_ERROR, error_kind
-from engine.metrics import SpecDecodeLogger, SpecDecodeStats
+from engine.metrics import CacheLogger, SpecDecodeLogger, SpecDecodeStats
 from engine.scheduler import Sequence
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = False
         self._spec_log = SpecDecodeLogger(log_interval_s)
+        self._cache_log = CacheLogger(log_interval_s)
         self._thread = threading.Thread(target=self._run, name="tandem-step-loop", daemon=True)
         self._thread.start()
 
@@ -188,6 +189,7 @@ class AsyncEngine:
             for seq in seqs:
                 self._emit(seq)
             self._spec_log.maybe_log(sched.stats, time.monotonic(), log)
+            self._cache_log.maybe_log({"target": sched.target_kv, "draft": sched.draft_kv}, time.monotonic(), log)
 
     def _emit_error(self, request_id: str, message: str) -> None:
         stream = self._streams.pop(request_id, None)

@@ -55,3 +55,11 @@ class KVCache:
         _, Hkv, bs, D = cache.shape
         rows = cache[blocks]  # [B, n, Hkv, bs, D]
         return rows.permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * bs, D)[:, :, :key_len]
+
+
+def static_tables(rows: int, tokens: int, block_size: int) -> list[list[int]]:
+    """Block tables for `rows` sequences of up to `tokens` positions, each owning consecutive blocks
+    from block 1 on (for a cache used without a scheduler: benchmarks, parity tests). The cache
+    needs rows * ceil(tokens / block_size) + 1 blocks."""
+    per_row = -(-tokens // block_size)
+    return [list(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]

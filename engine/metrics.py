@@ -112,3 +112,36 @@ class SpecDecodeLogger:
         self.last = SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                                     list(stats.num_accepted_tokens_per_pos))
         return line
+
+
+class CacheLogger:
+    """A periodic log line of each model's KV cache: usage and the prefix cache's hit rate over the
+    last interval (vLLM's "GPU KV cache usage ... Prefix cache hit rate"), and preemptions."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self.last_time: float | None = None
+        self.last: dict[str, tuple[int, int, int]] = {}
+
+    def maybe_log(self, managers: dict, now: float, log) -> str | None:
+        """managers: {"target": KVCacheManager, "draft": KVCacheManager or None}."""
+        if self.last_time is not None and now - self.last_time < self.interval_s:
+            return None
+        current = {name: (kv.counters.queries, kv.counters.hits, kv.counters.preemptions)
+                   for name, kv in managers.items() if kv is not None}
+        first = self.last_time is None
+        self.last_time = now
+        if first or current == self.last:
+            self.last = current
+            return None
+        parts = []
+        for name, (queries, hits, preemptions) in current.items():
+            q0, h0, p0 = self.last.get(name, (0, 0, 0))
+            rate = 100 * (hits - h0) / (queries - q0) if queries > q0 else 0.0
+            parts.append(f"{name} KV cache usage: {100 * managers[name].pool.usage():.1f}%, prefix cache hit rate: "
+                         f"{rate:.1f}%")
+        preempted = current["target"][2] - self.last.get("target", (0, 0, 0))[2]
+        line = "; ".join(parts) + f"; preemptions: {preempted}"
+        log.info(line)
+        self.last = current
+        return line

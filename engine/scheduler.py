@@ -110,13 +110,6 @@ class Scheduler:
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything about a request that needs the engine's limits (vLLM's messages); ValueError."""
         n, limit = len(prompt_ids), self.max_model_len
-        k = self.spec.num_speculative_tokens if self.spec else 0
-        longest = min(limit, n + params.max_tokens) if params.max_tokens is not None else limit
-        capacity = self.target_kv.capacity_tokens
-        if longest + k + 1 > capacity:  # it could never run, even alone: refuse now, never hang
-            raise ValueError(f"this request needs up to {longest + k + 1} tokens of KV cache ({n} prompt tokens, "
-                             f"max_tokens {params.max_tokens}, {k + 1} for a verify step); the whole cache holds "
-                             f"{capacity} tokens. Lower max_tokens or raise the server's KV cache budget.")
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
         if n >= limit:
@@ -127,6 +120,14 @@ class Scheduler:
             raise ValueError(f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. This "
                              f"model's maximum context length is {limit} tokens and your request has {n} input "
                              f"tokens ({params.max_tokens} > {limit} - {n}).")
+        # it could never run, even alone (the engine starts only when one max_model_len sequence fits)
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        longest = min(limit, n + params.max_tokens) if params.max_tokens is not None else limit
+        capacity = self.target_kv.capacity_tokens
+        if longest + k + 1 > capacity:
+            raise ValueError(f"this request needs up to {longest + k + 1} tokens of KV cache ({n} prompt tokens, "
+                             f"max_tokens {params.max_tokens}, {k + 1} for a verify step); the whole cache holds "
+                             f"{capacity} tokens. Lower max_tokens or raise the server's KV cache budget.")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {bad[:5]}")

@@ -31,10 +31,12 @@ def exact_first_two(llm, prompt_ids: list[int], temperature: float, top_p: float
     model = llm.executor.target.worker.model
     a = model.args
     n, V = len(prompt_ids), a.vocab_size
-    cache = KVCache(a.num_layers, V, n + 2, a.num_kv_heads, a.head_dim, torch.float32)
+    per_row = -(-(n + 1) // 16)  # blocks of 16 each row needs
+    cache = KVCache(a.num_layers, V * per_row + 1, 16, a.num_kv_heads, a.head_dim, torch.float32)
     with torch.no_grad():
         rows = torch.tensor([prompt_ids + [t] for t in range(V)])  # every possible t1, one row each
-        logits = model(rows, torch.arange(n + 1)[None].expand(V, -1), cache, torch.arange(V))
+        tables = torch.arange(1, V * per_row + 1).view(V, per_row)
+        logits = model(rows, torch.arange(n + 1)[None].expand(V, -1), cache, tables)
     p1 = probs_from_logits(logits[0, n - 1 : n], temperature, top_k, top_p)[0]
     p2_given = probs_from_logits(logits[:, -1], temperature, top_k, top_p)  # [V(t1), V(t2)]
     return p1.numpy(), (p1[:, None] * p2_given).sum(0).numpy()

@@ -116,3 +116,17 @@ def test_penalties_and_logprobs_on_cuda(spec):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert set(x) == set(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
         assert len(a.prompt_logprobs) == len(a.prompt_token_ids)
+
+
+def test_the_paged_cache_on_the_gpu_hits_prefixes_and_preempts_without_changing_tokens():
+    """Block tables on the PyTorch path: a cache of 24 blocks forces preemption, a repeated prompt hits."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [f"request {i} " + "lorem ipsum " * (3 + i % 4) for i in range(7)]
+    roomy = cuda_llm({}, max_model_len=128)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, greedy)]
+    block = sum(r.worker.block_bytes() for r in (roomy.executor.target, roomy.executor.draft))
+    small = cuda_llm({}, max_model_len=128, kv_cache_memory_bytes=25 * block)
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy)] == want
+    assert small.scheduler.target_kv.counters.preemptions > 0
+    assert [o.outputs[0].token_ids for o in roomy.generate(prompts[:2], greedy)] == want[:2]
+    assert roomy.scheduler.target_kv.counters.hits > 0

@@ -1,5 +1,5 @@
 """The decode layer's CPU kernels (engine/models/csrc/decode_ops.cpp): RMSNorm, gated activations and
-attention with the KV-cache write, against PyTorch references; rows independent of the step's size."""
+attention with the paged KV-cache write, against PyTorch references; rows independent of the step's size."""
 import math
 
 import pytest
@@ -43,11 +43,15 @@ def test_gated_activation_matches_pytorch(gelu):
     torch.testing.assert_close(out, act * up, rtol=1e-5, atol=1e-5)
 
 
-def reference_attention(qkv, positions, slots, k_cache, v_cache, cos, sin, q_norm, k_norm, eps, offset, heads,
+def reference_attention(qkv, positions, tables, k_cache, v_cache, cos, sin, q_norm, k_norm, eps, offset, heads,
                         scale, window):
-    """Straight from the definitions, one query at a time (writes the caches too)."""
+    """Straight from the definitions, one query at a time (writes the caches too). Caches are
+    [blocks, kv_heads, block_size, dim]: position p of row b is block tables[b][p // bs], offset p % bs."""
     B, T = positions.shape
-    hkv, D = k_cache.shape[1], k_cache.shape[3]
+    hkv, bs, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+
+    def at(b, p):
+        return int(tables[b, p // bs]), p % bs
     qkv = qkv.view(B, T, heads + 2 * hkv, D)
 
     def rope(x, b, t):
@@ -59,9 +63,9 @@ def reference_attention(qkv, positions, slots, k_cache, v_cache, cos, sin, q_nor
 
     for b in range(B):
         for t in range(T):
-            p = positions[b, t]
-            k_cache[slots[b], :, p] = rope(norm(qkv[b, t, heads:heads + hkv], k_norm), b, t)
-            v_cache[slots[b], :, p] = qkv[b, t, heads + hkv:]
+            blk, off = at(b, int(positions[b, t]))
+            k_cache[blk, :, off] = rope(norm(qkv[b, t, heads:heads + hkv], k_norm), b, t)
+            v_cache[blk, :, off] = qkv[b, t, heads + hkv:]
     out = torch.empty(B, T, heads, D)
     for b in range(B):
         for t in range(T):
@@ -70,7 +74,8 @@ def reference_attention(qkv, positions, slots, k_cache, v_cache, cos, sin, q_nor
             for h in range(heads):
                 g = h // (heads // hkv)
                 q = rope(norm(qkv[b, t, h], q_norm), b, t)
-                keys, values = k_cache[slots[b], g, lo:p + 1], v_cache[slots[b], g, lo:p + 1]
+                keys = torch.stack([k_cache[at(b, s)[0], g, at(b, s)[1]] for s in range(lo, p + 1)])
+                values = torch.stack([v_cache[at(b, s)[0], g, at(b, s)[1]] for s in range(lo, p + 1)])
                 out[b, t, h] = torch.softmax(keys @ q * scale, -1) @ values
     return out.view(B * T, heads * D)
 
@@ -79,17 +84,18 @@ def reference_attention(qkv, positions, slots, k_cache, v_cache, cos, sin, q_nor
                                                              (4, 2, 32, True, 5), (2, 2, 16, False, 3)])
 def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norms(heads, kv_heads, dim, norms, window):
     gen = torch.Generator().manual_seed(heads * dim + window)
-    B, T, slots_total, L = 3, 4, 5, 24
+    B, T, num_blocks, bs = 3, 4, 20, 4
     positions = torch.tensor([[10, 11, 12, 13], [0, 1, 2, 3], [19, 20, 21, 22]])
-    slots = torch.tensor([4, 0, 2])  # not consecutive
-    k_cache, v_cache = torch.randn(2, slots_total, kv_heads, L, dim, generator=gen)  # earlier tokens
+    # each row's blocks scattered over the pool, in no order; row 1 needs one block, the rest pad
+    tables = torch.randperm(num_blocks - 1, generator=gen)[:B * 6].view(B, 6) + 1
+    k_cache, v_cache = torch.randn(2, num_blocks, kv_heads, bs, dim, generator=gen)  # earlier tokens
     qkv = torch.randn(B * T, (heads + 2 * kv_heads) * dim, generator=gen)
     angles = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
     emb = torch.cat([angles, angles], -1)
     cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
     q_norm, k_norm = (torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)) if norms else (None, None)
     scale = 1 / math.sqrt(dim)
-    args = (positions, slots)
+    args = (positions, tables)
     ours_k, ours_v = k_cache.clone(), v_cache.clone()
     out = torch.ops.tandem.decode_attention(qkv, *args, ours_k, ours_v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads,
                                             scale, window)
@@ -105,18 +111,19 @@ def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norm
     for t in range(T):
         step = qkv.view(B, T, -1)[:, t].contiguous()
         rows.append(torch.ops.tandem.decode_attention(
-            step, positions[:, t:t + 1].contiguous(), slots, k_one, v_one, cos[:, t].contiguous(),
+            step, positions[:, t:t + 1].contiguous(), tables, k_one, v_one, cos[:, t].contiguous(),
             sin[:, t].contiguous(), q_norm, k_norm, 1e-6, 1.0, heads, scale, window))
     assert torch.equal(torch.stack(rows, 1).view(B * T, -1), out)
     assert torch.equal(k_one, ours_k) and torch.equal(v_one, ours_v)
 
 
-def test_attention_refuses_positions_and_slots_outside_the_cache():
-    k_cache, v_cache = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)
+def test_attention_refuses_positions_and_blocks_outside_the_cache():
+    k_cache, v_cache = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)  # 2 blocks of 8
     qkv, trig = torch.zeros(1, 3 * 16), torch.zeros(1, 1, 16)
-    for positions, slots, match in [([[8]], [0], "position"), ([[-1]], [0], "position"), ([[0]], [2], "slot")]:
+    for positions, table, match in [([[8]], [[1]], "position"), ([[-1]], [[1]], "position"),
+                                    ([[0]], [[2]], "block id"), ([[0]], [[-1]], "block id")]:
         with pytest.raises(RuntimeError, match=match):
-            torch.ops.tandem.decode_attention(qkv, torch.tensor(positions), torch.tensor(slots), k_cache, v_cache,
+            torch.ops.tandem.decode_attention(qkv, torch.tensor(positions), torch.tensor(table), k_cache, v_cache,
                                               trig, trig, None, None, 1e-6, 0.0, 1, 0.25, 0)
 
 
@@ -133,8 +140,8 @@ def test_a_model_on_the_kernels_matches_its_pytorch_path(name):
     outs = {}
     for kernels in (True, False):
         model.cpu_kernels = kernels
-        cache = KVCache(a.num_layers, 3, 40, a.num_kv_heads, a.head_dim, torch.float32)
-        slots = torch.tensor([2, 0])
+        cache = KVCache(a.num_layers, 12, 8, a.num_kv_heads, a.head_dim, torch.float32)
+        slots = torch.tensor([[7, 2, 9, 4, 11], [1, 5, 3, 10, 6]])  # block tables, 5 blocks of 8 each
         with torch.no_grad():
             steps = [model(ids[:, :20], torch.arange(20).expand(2, -1), cache, slots)]
             steps += [model(ids[:, p:p + 1], torch.tensor([[p], [p]]), cache, slots) for p in range(20, 25)]
@@ -151,7 +158,7 @@ def test_whole_layers_in_one_call_give_the_per_op_kernel_path_bit_for_bit(name):
     dense float32 weights (the random models) and packed GGUF blocks (SmolLM2)."""
     from engine.worker import ModelWorker
 
-    worker = ModelWorker(resolve_model(name), 3, 48, torch.float32)
+    worker = ModelWorker(resolve_model(name), 12, 8, torch.float32)
     model = worker.model
     assert model.decode_layers is not None and len(model.decode_layers) == model.args.num_layers
     ids = torch.randint(3, min(1000, model.args.vocab_size), (2, 30), generator=torch.Generator().manual_seed(1))
@@ -160,7 +167,7 @@ def test_whole_layers_in_one_call_give_the_per_op_kernel_path_bit_for_bit(name):
     for whole in (True, False):
         model.decode_layers = layers if whole else None
         worker.cache.k = [t.zero_() for t in worker.cache.k]
-        slots = torch.tensor([2, 1])
+        slots = torch.tensor([[3, 8, 1, 11], [2, 9, 5, 7]])  # block tables
         with torch.no_grad():
             steps = [model(ids[:, :20], torch.arange(20).expand(2, -1), worker.cache, slots)]
             steps += [model(ids[:, p:p + 1], torch.tensor([[p], [p]]), worker.cache, slots) for p in range(20, 24)]

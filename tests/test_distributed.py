@@ -69,7 +69,7 @@ def test_eight_concurrent_requests_match_alone(ray_engine, reference):
         assert text == ray_engine.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def test_abort_frees_the_slot(reference):
+def test_abort_frees_the_blocks(reference):
     engine = AsyncEngine(EngineConfig(model=TARGET, speculative_config=SPEC, max_num_seqs=1), use_ray=True)
     try:
         async def main():
@@ -81,7 +81,8 @@ def test_abort_frees_the_slot(reference):
             return await asyncio.wait_for(collect(engine, PROMPTS[1], greedy(MAX_TOKENS[1])), timeout=120)
         tokens, _, last = asyncio.run(main())
         assert tokens == reference[1] and last.finish_reason == "length"
-        assert engine.core.scheduler.free_slots == [0]
+        kv = engine.core.scheduler.target_kv  # every block back in the pool
+        assert kv.pool.num_free == kv.pool.num_blocks - 1 and not engine.core.scheduler.running
     finally:
         engine.shutdown()
 
@@ -107,7 +108,7 @@ def test_a_poisoned_row_fails_alone(ray_engine, reference):
     for (tokens, _, last), (_, _, message) in zip(results[3:], bad):
         assert last.finish_reason == "error" and message in last.error and "Traceback" not in last.error
     assert worker_pids(ray_engine) == pids
-    assert ray_engine.core.scheduler.free_slots and not ray_engine.core.scheduler.running
+    assert ray_engine.core.scheduler.target_kv.pool.num_free and not ray_engine.core.scheduler.running
 
 
 def tp_engine(tp: int, draft_tp: int | None, spec: bool = True) -> AsyncEngine:

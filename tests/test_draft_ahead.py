@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 
+from engine.kv_cache import static_tables
 from engine import LLM, SamplingParams
 from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.step import DraftOutput, merge_drafts
@@ -130,7 +131,7 @@ def test_sampled_token_from_an_ahead_block_follows_the_target():
     assert llm.scheduler.ahead_used >= 0.1 * n, llm.scheduler.ahead_used  # many third tokens came from a block
     ids = llm.get_tokenizer().encode(prompt) + list(pair)
     with torch.no_grad():
-        logits = LLM(model=TARGET).executor.target.worker.forward([0], [0], [ids])[0, -1]
+        logits = LLM(model=TARGET).executor.target.worker.forward(static_tables(1, len(ids), 16), [0], [ids])[0, -1]
     p3 = torch.softmax(logits / temperature, -1).numpy()
     assert chi_squared_pvalue(third, p3) > ALPHA
 
@@ -140,7 +141,7 @@ def test_each_row_verifies_its_own_drafts_with_their_distributions():
     those proposals' own distributions; the other rows this step's fresh drafts; all in row order."""
     def out(slots, tokens):  # each proposal's distribution row holds its token id (to see it)
         flat = [t for row in tokens for t in row]
-        return DraftOutput(slots=slots, tokens=tokens, probs=torch.tensor(flat, dtype=torch.float32)[:, None])
+        return DraftOutput(seq_ids=slots, tokens=tokens, probs=torch.tensor(flat, dtype=torch.float32)[:, None])
     fresh = out([3, 5], [[1, 2], [4]])
     ahead = out([5, 7, 9], [[10, 11, 12], [20, 21], [30, 31, 32]])
     tokens, probs = merge_drafts([7, 3, 9, 5], fresh, ahead, [1, 0, 2, 0])

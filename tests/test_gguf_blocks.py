@@ -136,7 +136,8 @@ def test_block_kernel_refuses_bad_shapes():
 def logits_of_steps(worker: ModelWorker) -> list[torch.Tensor]:
     """Prefill (the oneDNN path), 1-token decode steps, a 5-token verify step and a 20-token
     prefill (the kernel)."""
-    model, slots, n = worker.model, torch.tensor([0]), MAX_ROWS + 4
+    model, n = worker.model, MAX_ROWS + 4
+    slots = torch.arange(1, -(-(n + 28) // worker.block_size) + 1)[None]  # the block table of one row
     tokens = torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(3))
     out = [model(tokens, torch.arange(n)[None], worker.cache, slots)]
     for pos in range(n, n + 3):
@@ -150,8 +151,8 @@ def logits_of_steps(worker: ModelWorker) -> list[torch.Tensor]:
 @pytest.mark.parametrize("model", [SMOLLM2, GEMMA3])
 def test_a_model_on_blocks_gives_the_float32_logits_bit_for_bit_in_less_memory(model):
     source = resolve_model(model)
-    on_blocks = ModelWorker(source, 1, 2 * MAX_ROWS, torch.float32, gguf_blocks=True)
-    on_float32 = ModelWorker(source, 1, 2 * MAX_ROWS, torch.float32, gguf_blocks=False)
+    on_blocks = ModelWorker(source, 2 * MAX_ROWS // 16 + 1, 16, torch.float32, gguf_blocks=True)
+    on_float32 = ModelWorker(source, 2 * MAX_ROWS // 16 + 1, 16, torch.float32, gguf_blocks=False)
     for got, want in zip(logits_of_steps(on_blocks), logits_of_steps(on_float32)):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
@@ -218,9 +219,10 @@ def test_tensor_parallel_shards_of_blocks_equal_the_float32_shards(rank):
     assert models[0].model.layers[0].self_attn.o_proj.blocks.shape == (64, 32)
     outs = []
     for model in models:
-        cache = KVCache(model.args.num_layers, 1, 2 * MAX_ROWS, 1, model.args.head_dim, torch.float32, "cpu")
+        cache = KVCache(model.args.num_layers, 2 * MAX_ROWS // 16 + 1, 16, 1, model.args.head_dim, torch.float32, "cpu")
+        table = torch.arange(1, 2 * MAX_ROWS // 16 + 1)[None]
         tokens = torch.randint(0, 48, (1, MAX_ROWS + 4), generator=torch.Generator().manual_seed(0))
-        outs.append([model(tokens, torch.arange(MAX_ROWS + 4)[None], cache, torch.tensor([0])),  # oneDNN
-                     model(tokens[:, :3], torch.arange(MAX_ROWS + 4, MAX_ROWS + 7)[None], cache, torch.tensor([0]))])
+        outs.append([model(tokens, torch.arange(MAX_ROWS + 4)[None], cache, table),  # oneDNN
+                     model(tokens[:, :3], torch.arange(MAX_ROWS + 4, MAX_ROWS + 7)[None], cache, table)])
     for got, want in zip(*outs):
         assert torch.equal(got, want)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.kv_cache import static_tables
 from engine import LLM, SamplingParams
 from engine.chat import chat_prompt_ids
 from engine.models.loading import resolve_model
@@ -36,8 +37,8 @@ def spec():
 @pytest.fixture(scope="module")
 def reference():
     """The target's logits over a whole sequence, from a fresh cache: logits[i] predicts ids[i + 1]."""
-    worker = ModelWorker(resolve_model(TARGET), num_slots=1, max_len=256, dtype=torch.float32)
-    return lambda ids: worker.forward([0], [0], [ids])[0]
+    worker = ModelWorker(resolve_model(TARGET), num_blocks=17, block_size=16, dtype=torch.float32)
+    return lambda ids: worker.forward(static_tables(1, 256, 16), [0], [ids])[0]
 
 
 def penalized(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:

