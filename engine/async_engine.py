@@ -203,9 +203,7 @@ class AsyncEngine:
         if stream is None:
             return
         loop, queue, sent = stream
-        text = seq.text
-        # hold back a trailing replacement char: the next token may complete a multi-byte character
-        visible = len(text) if seq.finished or not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
+        text, visible = seq.text, seq.visible_text()  # a split character or a stop string's start waits
         delta = RequestDelta(seq.request_id, seq.output_ids[sent["tokens"]:], text[sent["text"]:visible],
                              seq.finish_reason, seq.stop_reason, num_output_tokens=len(seq.output_ids),
                              error=seq.error, error_kind=error_kind(seq.error) if seq.error else None)

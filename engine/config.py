@@ -150,6 +150,12 @@ class EngineConfig(BaseModel):
     # prefix caching (on, as in vLLM v1): full blocks of committed tokens are shared between requests
     # with the same token chain (and cache_salt).
     block_size: int = Field(default=16, ge=1, le=256)
+    # Tokens one step computes in each model (vLLM's max_num_batched_tokens): the decoding rows' K+1
+    # verify tokens first, then prefill chunks of admitted prompts with what is left, so a long prompt
+    # is prefilled over several steps while the running streams go on. Unset: 256 on a CPU (a chunk
+    # of ~0.25 s on this machine's 2 cores: running streams pause at most that long), 2048 on a GPU
+    # (vLLM's default for online serving).
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -188,6 +194,11 @@ class EngineConfig(BaseModel):
         if value & (value - 1):
             raise ValueError(f"block_size must be a power of two (1, 2, ..., 16, 32, ...), got {value}")
         return value
+
+    def resolved_max_num_batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.resolved_device() == "cuda" else 256
 
     def resolved_max_num_seqs(self) -> int:
         if self.max_num_seqs is not None:

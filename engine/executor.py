@@ -89,13 +89,12 @@ class GroupRank:
     def prefill(self, chunk: Prefill, after=None, scored: tuple[int, int] | None = None):
         """`after`: an ObjectRef this call waits for (Ray resolves it first), to order two groups'
         prefills without a round trip through the coordinator. `scored` = (the token after the chunk,
-        top n): also return each next token's log-probability and the top n at each position (the
-        chunk then starts at 0: no prefix-cache hit)."""
+        top n): also return each next token's log-probability and the top n at each position."""
         if scored is None:
             self.worker.prefill(chunk.table, chunk.start, chunk.tokens)
             return None
         tokens = chunk.tokens
-        out = self.worker.prefill_scored(chunk.table, tokens, tokens[1:] + [scored[0]], scored[1])
+        out = self.worker.prefill_scored(chunk.table, chunk.start, tokens, tokens[1:] + [scored[0]], scored[1])
         return out if self.rank == 0 else None
 
     def propose(self, batch: DraftBatch) -> DraftOutput | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from engine.adaptive import AcceptanceEstimate, BatchCosts, SpeculationGate, adaptive_k
 from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import EngineConfig, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
 from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
@@ -44,10 +45,14 @@ class Sequence:
     draft: SeqCache = field(default_factory=SeqCache)  # ... in the draft's cache, in draft_ids
     drafts: bool = True  # False: this sequence never drafts (no draft state, no draft blocks)
     started: bool = False  # its per-request state is on the workers (it stays there while preempted)
+    # admitted, its prompt (and a preempted request's output) is prefilled in chunks up to these
+    # positions of each model's cache; it decodes once both are reached
+    prefill_target: int = 0
+    prefill_draft: int = 0
     # draft-ahead: the next step's drafts, proposed during the last verify (target vocabulary); with
     # them the draft cache holds draft_ids + ahead[:draft.computed - len(draft_ids)]
     ahead: list[int] | None = None
-    text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # its output text, token by token
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     stop_reason: int | str | None = None
@@ -70,6 +75,18 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prefilling(self) -> bool:
+        return self.target.computed < self.prefill_target or self.draft.computed < self.prefill_draft
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def visible_text(self) -> int:
+        """How much of the text a client may see now (a possible stop string's start is held back)."""
+        return self.detokenizer.visible(self.finished) if self.detokenizer is not None else 0
+
 
 class Scheduler:
     def __init__(self, executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
@@ -85,6 +102,7 @@ class Scheduler:
         # past its own context limit the draft stops drafting for a sequence; the target goes on alone
         self.draft_max_len = min(max_model_len, draft_max_len or max_model_len)
         self.max_num_seqs = config.resolved_max_num_seqs()
+        self.max_num_batched_tokens = config.resolved_max_num_batched_tokens()
         # the executor sized the caches from the memory budget; each model keeps its own blocks
         self.target_kv = KVCacheManager(executor.num_blocks, config.block_size, config.enable_prefix_caching)
         self.draft_kv = KVCacheManager(executor.num_blocks, config.block_size, config.enable_prefix_caching) \
@@ -140,7 +158,8 @@ class Scheduler:
         self.check_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else next(self._seeds)
         seq = Sequence(request_id, prompt, list(prompt_ids), params, seed, next(self._seq_ids), cache_salt,
-                       acceptance=self.acceptance.prior())
+                       acceptance=self.acceptance.prior(),
+                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
         self.waiting.append(seq)
         return seq
 
@@ -178,8 +197,13 @@ class Scheduler:
         try:
             self._flush_removals()
             seqs = self._admit()
-            if self.running:
-                seqs += self._round_isolating(list(self.running))
+            # the step's token budget: the decoding rows' verify tokens first, prefill chunks after
+            decoding = [s for s in self.running if not s.prefilling]
+            per_row = (self.spec.num_speculative_tokens if self.spec else 0) + 1
+            seqs += self._prefill_chunks(self.max_num_batched_tokens - per_row * len(decoding))
+            rows = [s for s in self.running if not s.prefilling]
+            if rows:
+                seqs += self._round_isolating(rows)
         except ExecutorError as e:
             log.error("a model group failed; failing %d running requests and restarting the groups: %s",
                       len(self.running), e)
@@ -445,16 +469,18 @@ class Scheduler:
     # -- internals -------------------------------------------------------------------------
 
     def _admit(self) -> list[Sequence]:
-        """Prefill waiting requests (new or preempted) while the batch has room and the target's
-        pool holds their tokens; return those that failed doing so."""
+        """Admit waiting requests (new or preempted) while the batch has room and the target's pool
+        holds their tokens (after their prefix-cache hits); return those that failed doing so. Their
+        prompts are prefilled in chunks by the steps that follow."""
         failed = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             resumed = seq.started
             tokens = seq.all_ids  # a preempted request recomputes its output too
+            wants_scores = seq.params.prompt_logprobs is not None and \
+                (seq.prompt_logprobs is None or len(seq.prompt_logprobs) < len(seq.prompt_ids))
             # prompt logprobs need every prompt position's logits: no cache hit for the first pass
-            use_cache = seq.params.prompt_logprobs is None or seq.prompt_logprobs is not None
-            if not self.target_kv.admit(seq.target, tokens, len(tokens) - 1, seq.cache_salt, use_cache):
+            if not self.target_kv.admit(seq.target, tokens, len(tokens) - 1, seq.cache_salt, not wants_scores):
                 if not self.running:  # nothing will free blocks: can't happen with check_request's bound
                     raise RuntimeError("KV cache holds no blocks for a request that should fit")
                 break  # waits, in arrival order, for blocks to free up
@@ -464,22 +490,45 @@ class Scheduler:
             self.running.append(seq)  # from here on a failure ends it like any running sequence
             try:
                 self._start(seq, resumed)
-                draft_chunk = self._admit_draft(seq)
-                scored = None
-                if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None:
-                    scored = (tokens[-1], seq.params.prompt_logprobs)  # the prompt's own, from the target
-                start = seq.target.computed  # the last token is fed by the first step
-                got = self.executor.prefill(Prefill(seq.target.blocks, start, tokens[start:-1]), draft_chunk, scored)
-                if scored is not None:
-                    seq.prompt_logprobs = [None] + (got or [])
+                seq.prefill_draft = self._admit_draft(seq)
+            except (StepError, ValueError) as e:
+                log.error("request %s failed in admission", seq.request_id, exc_info=e)
+                self._fail(seq, INTERNAL_ERROR)
+                failed.append(seq)
+                continue
+            if wants_scores:
+                seq.prompt_logprobs = [None]  # the first token has none
+            seq.prefill_target = len(tokens) - 1  # the last token is fed by the first step
+        return failed
+
+    def _prefill_chunks(self, budget: int) -> list[Sequence]:
+        """Prefill admitted sequences, oldest first, up to `budget` tokens in each model this step;
+        return those that failed doing so. A chunk writes the same keys and values wherever it ends."""
+        failed = []
+        for seq in [s for s in self.running if s.prefilling]:
+            if budget <= 0:
+                break
+            t0, d0 = seq.target.computed, seq.draft.computed
+            n_target = min(seq.prefill_target - t0, budget)
+            n_draft = min(seq.prefill_draft - d0, budget)
+            tokens = seq.all_ids if n_target > 0 else []
+            target = Prefill(seq.target.blocks, t0, tokens[t0:t0 + n_target]) if n_target > 0 else None
+            draft = Prefill(seq.draft.blocks, d0, seq.draft_ids[d0:d0 + n_draft]) if n_draft > 0 else None
+            scored = None
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) and target:
+                scored = (tokens[t0 + n_target], seq.params.prompt_logprobs)  # the token after the chunk
+            try:
+                got = self.executor.prefill(target, draft, scored)
             except (StepError, ValueError) as e:
                 log.error("request %s failed in prefill", seq.request_id, exc_info=e)
                 self._fail(seq, INTERNAL_ERROR)
                 failed.append(seq)
                 continue
-            seq.target.computed = len(tokens) - 1
-            if draft_chunk is not None:
-                seq.draft.computed = draft_chunk.start + len(draft_chunk.tokens)
+            if scored is not None:
+                seq.prompt_logprobs.extend(got or [])
+            seq.target.computed += max(0, n_target)
+            seq.draft.computed += max(0, n_draft)
+            budget -= max(n_target, n_draft, 0)
             self._commit(seq)
         return failed
 
@@ -500,20 +549,19 @@ class Scheduler:
         if len(seq.draft_ids) >= self.draft_max_len:  # past the draft's context: the target goes alone
             seq.drafts = False
 
-    def _admit_draft(self, seq: Sequence) -> Prefill | None:
-        """The draft's blocks (its own prefix-cache hit included) and the chunk it prefills; None
-        when it prefills nothing (it doesn't draft, or drafting doesn't pay at this batch size yet:
-        it catches up if it ever does)."""
+    def _admit_draft(self, seq: Sequence) -> int:
+        """The draft's blocks (its own prefix-cache hit included) and the position its prefill must
+        reach: where it is already when it prefills nothing (it doesn't draft, or drafting doesn't
+        pay at this batch size yet: it catches up if it ever does)."""
         if not seq.drafts or self.draft_kv is None:
-            return None
+            return 0
         ids = seq.draft_ids  # a preempted request's covers the output it had
         if not self.draft_kv.admit(seq.draft, ids, len(ids) - 1, seq.cache_salt):
             seq.drafts = False  # no room in the draft's pool now: this request decodes plainly
-            return None
+            return 0
         if self.spec.adaptive and not self.costs.can_pay(len(self.running)):
-            return None
-        start = seq.draft.computed
-        return Prefill(seq.draft.blocks, start, ids[start:-1])
+            return seq.draft.computed
+        return len(ids) - 1
 
     def _free_blocks(self, seq: Sequence) -> None:
         self.target_kv.free(seq.target)
@@ -566,31 +614,17 @@ class Scheduler:
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])
             self.counters.num_generation_tokens += 1
+            stop = seq.detokenizer.add(token)  # new text only: the cost per token stays flat
             if not p.ignore_eos and token in self.eos_ids:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
+            elif stop is not None:  # tokens after the one that completes a stop string are dropped
+                seq.finish_reason, seq.stop_reason = "stop", stop
             elif self._budget(seq) <= 0:
                 seq.finish_reason = "length"
-            if p.stop:  # tokens after the one that completes a stop string are dropped
-                self._detokenize(seq)
             if seq.finished:
                 break
-        if not p.stop:
-            self._detokenize(seq)
         if seq.drafts:  # the draft's view, for a request that may draft
             added = seq.output_ids[start:]
             seq.draft_ids.extend(self.vocab_mapping.to_draft(added) if self.vocab_mapping else added)
-
-    def _detokenize(self, seq: Sequence) -> None:
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        p = seq.params
-        if p.stop:
-            # a stop string may straddle old and new text; search from just before the new part
-            start = max(0, len(seq.text) - max(len(s) for s in p.stop))
-            hits = [(text.find(s, start), s) for s in p.stop if text.find(s, start) >= 0]
-            if hits:
-                cut, stop = min(hits)
-                text = text[:cut]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-        seq.text = text

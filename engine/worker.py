@@ -148,14 +148,14 @@ class ModelWorker:
         return self.model(ids, positions.to(dev), self.cache, table.to(dev), logit_index)
 
     @torch.inference_mode()
-    def prefill_scored(self, table: list[int], tokens: list[int], answers: list[int], top: int,
+    def prefill_scored(self, table: list[int], first: int, tokens: list[int], answers: list[int], top: int,
                        chunk: int = 64) -> list[tuple[float, int, list[tuple[int, float]]]]:
         """prefill(), also scoring answers[i] (the token after tokens[i]) by the model's own
         log-softmax: (log-probability, rank, the `top` most likely as (token, log-probability)). Chunks are small: each one's logits
         span the vocabulary."""
         out = []
         for start in range(0, len(tokens), chunk):
-            logits = self.forward([table], [start], [tokens[start:start + chunk]])[0]
+            logits = self.forward([table], [first + start], [tokens[start:start + chunk]])[0]
             lp = torch.log_softmax(logits, dim=-1)
             picked = lp.gather(1, torch.tensor(answers[start:start + chunk], device=lp.device)[:, None])
             rank = ((lp > picked).sum(-1) + 1).tolist()

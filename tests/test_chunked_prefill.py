@@ -1,0 +1,90 @@
+"""Chunked prefill under a token budget (max_num_batched_tokens): running rows decode while a long
+prompt is prefilled over several steps; greedy tokens, prompt logprobs and aborts are as with the
+prompt prefilled at once, at every chunk boundary (budget 1, the block size, prompts just above
+and below the budget, TLI chunks that end inside the draft's re-tokenized text)."""
+import pytest
+
+from engine import LLM, SamplingParams
+
+TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
+GEMMA3, SMOLLM2 = "google/gemma-3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct"
+SPEC = {"model": DRAFT, "num_speculative_tokens": 3}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompt_of(llm: LLM, n: int) -> dict:
+    ids = llm.get_tokenizer().encode("one two three four five six seven eight nine ten " * 40)[:n]
+    assert len(ids) == n
+    return {"prompt_token_ids": ids}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Tokens with each prompt prefilled in one step (a budget above every prompt), no speculation."""
+    llm = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    return llm, {n: llm.generate(prompt_of(llm, n), GREEDY)[0].outputs[0].token_ids for n in (1, 2, 15, 16, 17, 39, 40, 41, 120)}
+
+
+@pytest.mark.parametrize("budget,lengths", [(1, [2, 16]), (16, [15, 16, 17, 41]), (40, [39, 40, 41, 120]),
+                                            (256, [1, 120])])
+@pytest.mark.parametrize("spec", [None, SPEC])
+def test_greedy_tokens_do_not_depend_on_where_chunks_end(reference, budget, lengths, spec):
+    ref_llm, want = reference
+    llm = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=budget, speculative_config=spec,
+              enable_prefix_caching=False)
+    outs = llm.generate([prompt_of(ref_llm, n) for n in lengths], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [want[n] for n in lengths]
+
+
+def test_running_streams_get_a_token_every_step_while_a_long_prompt_is_prefilled():
+    llm = LLM(model=TARGET, max_model_len=1024, max_num_batched_tokens=32, speculative_config=SPEC)
+    sched = llm.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    short = sched.add("short", None, prompt_of(llm, 5)["prompt_token_ids"], params)
+    for _ in range(3):
+        sched.step()
+    long = sched.add("long", None, prompt_of(llm, 400)["prompt_token_ids"], params)
+    steps = 0
+    while long.prefilling or not long.started:
+        before = len(short.output_ids)
+        sched.step()
+        steps += 1
+        assert len(short.output_ids) > before  # the short stream never waits for the long prompt
+    assert steps >= 400 // 32  # the prompt took several steps: at most 32 - 4 tokens each
+    # its last chunk's step decoded it too: the first token came with the prefill's end
+    assert len(long.output_ids) >= 1 and long.target.computed == long.num_tokens - 1
+
+
+def test_prompt_logprobs_are_the_same_in_chunks():
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    whole = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=4096)
+    prompt = prompt_of(whole, 70)
+    want = whole.generate(prompt, params)[0].prompt_logprobs
+    got = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=9).generate(prompt, params)[0].prompt_logprobs
+    assert len(got) == len(want) == 70 and got[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert g.keys() == w.keys()
+        assert all(g[t].logprob == pytest.approx(w[t].logprob, abs=1e-5) for t in g)
+
+
+def test_an_abort_in_mid_prefill_frees_its_blocks():
+    llm = LLM(model=TARGET, max_model_len=512, max_num_batched_tokens=16)
+    sched = llm.scheduler
+    seq = sched.add("long", None, prompt_of(llm, 300)["prompt_token_ids"], GREEDY)
+    sched.step()
+    sched.step()
+    assert seq.prefilling and 0 < seq.target.computed < 299
+    sched.abort("long")
+    assert sched.target_kv.pool.num_free == sched.target_kv.pool.num_blocks - 1 and not sched.running
+
+
+def test_real_pair_chunks_inside_the_drafts_retokenized_text_keep_greedy_tokens():
+    """TLI: the draft prefills its own tokens in chunks of the same budget, ending at other places."""
+    prompts = ["The history of the printing press begins in", "def quicksort(items):\n    if len(items) <= 1:"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=GEMMA3, max_model_len=256).generate(prompts, params)
+    spec = {"model": SMOLLM2, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True}
+    llm = LLM(model=GEMMA3, max_model_len=256, max_num_batched_tokens=7, speculative_config=spec)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.spec_decode_stats.num_accepted_tokens > 0
