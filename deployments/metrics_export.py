@@ -40,9 +40,13 @@ class EngineCollector:
         for reason, n in sorted(counters.num_requests_finished.items()):
             finished.add_metric(value + [reason], n)
         yield finished
-        step = HistogramMetricFamily("tandem:engine_step_seconds", "Wall time of one engine step", labels=labels)
-        step.add_metric(value, counters.step_time.cumulative(), counters.step_time.total)
-        yield step
+        for name, doc, hist in (
+                ("engine_step_seconds", "Wall time of one engine step", counters.step_time),
+                ("time_to_first_token_seconds", "From a request's arrival to its first token", counters.time_to_first_token),
+                ("inter_token_latency_seconds", "Between a request's streamed deltas", counters.inter_token_latency)):
+            family = HistogramMetricFamily(f"tandem:{name}", doc, labels=labels)
+            family.add_metric(value, hist.cumulative(), hist.total)
+            yield family
         running = GaugeMetricFamily("tandem:num_requests_running", "Requests in the batch", labels=labels)
         running.add_metric(value, self.engine.num_running())
         yield running

@@ -129,7 +129,7 @@ class AsyncEngine:
         with self._lock:
             if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
                 raise QueueFullError(f"queue is full ({self.max_queued_requests} requests waiting); retry later")
-            self._streams[request_id] = (asyncio.get_running_loop(), queue, {"tokens": 0, "text": 0})
+            self._streams[request_id] = (asyncio.get_running_loop(), queue, {"tokens": 0, "text": 0, "arrived": time.monotonic(), "last": None})
             self._pending.append(("add", request_id, text, ids, params, cache_salt))
             self._lock.notify()
         return RequestStream(self, request_id, queue)
@@ -212,6 +212,13 @@ class AsyncEngine:
         if sent["tokens"] == 0:
             delta.prompt_token_ids = list(seq.prompt_ids)
             delta.prompt_logprobs = seq.prompt_logprobs
+        if len(seq.output_ids) > sent["tokens"]:  # the latency histograms, as a streaming client sees them
+            now, counters = time.monotonic(), self.core.scheduler.counters
+            if sent["last"] is None:
+                counters.time_to_first_token.observe(now - sent["arrived"])
+            else:
+                counters.inter_token_latency.observe(now - sent["last"])
+            sent["last"] = now
         sent["tokens"], sent["text"] = len(seq.output_ids), max(sent["text"], visible)
         if seq.finished:
             delta.stats = seq.stats

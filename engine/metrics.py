@@ -46,14 +46,23 @@ class SpecDecodeStats:
 
 # Step-time buckets (seconds): CPU steps of small models take 10-500 ms.
 STEP_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# vLLM's buckets for time to first token and inter-token latency
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
 
 
 @dataclass
 class Histogram:
     buckets: tuple[float, ...] = STEP_TIME_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TIME_BUCKETS) + 1))  # last: +Inf
+    counts: list[int] = field(default_factory=list)  # one per bucket, then +Inf
     total: float = 0.0
     count: int = 0
+
+    def __post_init__(self):
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
 
     def observe(self, value: float) -> None:
         i = next((j for j, b in enumerate(self.buckets) if value <= b), len(self.buckets))
@@ -77,6 +86,10 @@ class EngineCounters:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     step_time: Histogram = field(default_factory=Histogram)
+    # per request, from its arrival to its first streamed token; and between the deltas it streams
+    # (a verify step's accepted tokens arrive together: one gap per delta, as a client sees them)
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
     def finished(self, reason: str) -> None:
         self.num_requests_finished[reason] = self.num_requests_finished.get(reason, 0) + 1

@@ -60,3 +60,32 @@ def test_periodic_log_line(run, caplog):
     assert f"Mean acceptance length: {stats.mean_acceptance_length:.2f}" in line
     assert f"Accepted: {stats.num_accepted_tokens} tokens, Drafted: {stats.num_draft_tokens} tokens" in line
     assert logger.maybe_log(stats, 30.0, log) is None  # nothing new since the last line
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exported():
+    """k8s/grafana-dashboard.json against a live engine's /metrics text (one request served)."""
+    import asyncio
+    import json
+    import re
+    from pathlib import Path
+
+    from deployments.metrics_export import metrics_text
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    engine = AsyncEngine(EngineConfig(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3}),
+                         use_ray=False)
+    try:
+        async def one():
+            async for _ in engine.add_request("hello", SamplingParams(max_tokens=5, ignore_eos=True)):
+                pass
+        asyncio.run(one())
+        exported = set(re.findall(r"^(tandem:[a-z_]+)", metrics_text(engine, "tiny").decode(), re.M))
+    finally:
+        engine.shutdown()
+    dashboard = json.loads((Path(__file__).parent.parent / "k8s" / "grafana-dashboard.json").read_text())
+    queried = {name for p in dashboard["panels"] for t in p["targets"] for name in re.findall(r"tandem:[a-z_]+", t["expr"])}
+    assert len(queried) >= 12
+    assert queried <= exported, f"not exported: {sorted(queried - exported)}"
+    counters = engine.core.scheduler.counters
+    assert counters.time_to_first_token.count == 1 and counters.inter_token_latency.count >= 1
