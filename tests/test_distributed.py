@@ -11,6 +11,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.kv_cache import static_tables
+from engine.step import Prefill
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 SPEC = {"model": DRAFT, "num_speculative_tokens": 3}
@@ -122,9 +124,10 @@ def logits_of(engine: AsyncEngine):
     ex = engine.core.executor
     tok = engine.tokenizer
     a, b = tok.encode("hello world"), tok.encode("the cat sat")
-    ex.prefill(0, a[:-1], None)
-    ex.prefill(1, b[:-1], None)
-    return ex.target_logits([0, 1], [len(a) - 1, len(b) - 1], [a[-1:] + [5, 6], b[-1:]])
+    tables = static_tables(2, 64, engine.core.config.block_size)
+    ex.prefill(Prefill(tables[0], 0, a[:-1]), None)
+    ex.prefill(Prefill(tables[1], 0, b[:-1]), None)
+    return ex.target_logits(tables, [len(a) - 1, len(b) - 1], [a[-1:] + [5, 6], b[-1:]])
 
 
 @pytest.mark.parametrize("draft_tp", [1, 2])

