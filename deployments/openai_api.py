@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions, /v1/chat/completions,
-/v1/models, vLLM's /tokenize and /detokenize, /health, /metrics.
+/v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics.
 
 The wire format only: parsing, validation and tokenization are deployments/requests.py's, run in a
 worker thread. Every error, routing and parsing included, is OpenAI's JSON shape with a request id;
@@ -22,6 +22,7 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.app import ServeArgs
+from deployments.lingering import RequestBody, drain_limit
 from deployments.metrics_export import metrics_text
 from deployments.requests import (PreparedRequest, RequestError, RequestLayer, collect, delta_error,
                                   key_matches)
@@ -31,7 +32,8 @@ from engine.async_engine import AsyncEngine, RequestDelta, RequestStream
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-tandem-request-id"  # x-request-id is Serve's own
-PROTECTED = ("/v1", "/tokenize", "/detokenize")  # under the API key; health and metrics stay open
+# under the API key (a prefix match: /tokenize covers /tokenizer_info too); health and metrics stay open
+PROTECTED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class ErrorJSON(JSONResponse):
@@ -86,15 +88,20 @@ async def send_error(scope, receive, send, error: RequestError) -> None:
 class EdgeMiddleware:
     """Plain ASGI (not @app.middleware, which re-wraps every streamed chunk): a request-size limit
     answered with 413 before the body is read, and the API key on PROTECTED paths (health and
-    metrics stay open for probes)."""
+    metrics stay open for probes). A response that comes before the body is read ends the connection,
+    after waiting (bounded) for the rest of the body, so that clients that read only after sending get
+    it instead of a reset: deployments/lingering.py."""
 
     def __init__(self, app, max_request_bytes: int, api_key: SecretStr | None):
         self.app, self.max_bytes, self.api_key = app, max_request_bytes, api_key
+        self.drain_bytes = drain_limit(max_request_bytes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        body = RequestBody(headers, receive, send, self.drain_bytes)
+        receive, send = body.receive, body.send
         path, root = scope["path"], scope.get("root_path", "")
         if path.startswith(root):  # under a Serve route_prefix, the path includes it
             path = path[len(root):]
@@ -209,6 +216,10 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
     @app.post("/detokenize")
     async def detokenize(request: Request):
         return await handle_plain(request, "detok", layer.detokenize_async)
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return JSONResponse(await layer.tokenizer_info_async())
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from deployments.tokenizer_info import tokenizer_info
 from engine.chat import chat_prompt_ids, end_of_turn_ids
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestDelta, RequestStream
 from engine.config import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
@@ -291,6 +292,7 @@ class RequestLayer:
         # Longest token in UTF-8 bytes: a text longer than max_model_len times this has more tokens
         # than fit, so it is refused without being tokenized.
         self.max_token_bytes = max(len(t.encode("utf-8", "replace")) for t in self.tokenizer.get_vocab())
+        self._tokenizer_info: dict | None = None
 
     # -- parsing (worker thread) ---------------------------------------------------------------
 
@@ -319,6 +321,12 @@ class RequestLayer:
 
     async def detokenize_async(self, body: bytes) -> dict:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.detokenize, body)
+
+    async def tokenizer_info_async(self) -> dict:
+        if self._tokenizer_info is None:  # built once (thousands of added tokens on some models)
+            self._tokenizer_info = await asyncio.get_running_loop().run_in_executor(
+                self._pool, tokenizer_info, self.tokenizer, self.engine.max_model_len)
+        return self._tokenizer_info
 
     def tokenize(self, body: bytes | dict) -> dict:
         req = self._parse(TokenizeRequest, body)

@@ -7,6 +7,11 @@ time completes with exactly its idle text, and that no model worker restarted.
 import asyncio
 import json
 import re
+import select
+import socket
+import time
+import urllib.error
+import urllib.request
 
 import grpc
 import httpx
@@ -224,6 +229,67 @@ def test_http_routing_and_chunked_errors_use_openai_shape(server, idle_text):
     for r in responses:
         assert not INTERNALS.search(r.text), r.text
         check_error_body(r)
+
+
+BIG = 20 * 1024 * 1024  # a 20 MB body: far over the limit, within what the server waits for
+
+
+def urllib_post(url: str, data: bytes) -> httpx.Response:
+    """urllib sends the whole body before it reads anything, and always asks for Connection: close."""
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return httpx.Response(r.status, headers=dict(r.headers), content=r.read())
+    except urllib.error.HTTPError as e:
+        return httpx.Response(e.code, headers=dict(e.headers), content=e.read())
+
+
+def test_over_limit_bodies_get_a_413_the_client_can_read(server, idle_text):
+    """Answered at once, then the connection waits for the declared body before it closes: a client that
+    reads only after sending (urllib) gets the 413, not a reset, as one that reads while sending (httpx)."""
+    url = f"{server['base']}/v1/completions"
+
+    async def attack(http: httpx.AsyncClient):
+        return [await asyncio.to_thread(urllib_post, url, b"x" * BIG),
+                await http.post(url, content=b"x" * BIG),
+                await asyncio.to_thread(httpx.post, url, content=b"x" * BIG, timeout=60),
+                await http.post(url, json=OK)]  # and the next request is served
+
+    *refused, ok = with_bystander(server, idle_text, attack)
+    assert [r.status_code for r in refused] == [413] * 3 and ok.status_code == 200
+    for r in refused:
+        assert not INTERNALS.search(r.text), r.text
+        check_error_body(r)
+        assert r.json()["error"]["code"] == "request_too_large" and r.headers["connection"] == "close"
+
+
+@pytest.mark.parametrize("framing", [b"Content-Length: %d" % (1 << 30), b"Transfer-Encoding: chunked"])
+def test_an_endless_body_is_not_read(server, framing):
+    """A body longer than the server waits for (1 GiB declared, or chunked with no end): the 413, then
+    the connection closes instead of discarding all the client sends. The client sends at ~60 MB/s:
+    Serve's proxy reads ahead of the app by as much as arrives before the response is out."""
+    port, chunk = int(server["base"].rsplit(":", 1)[1]), b"x" * 65536
+    if b"chunked" in framing:
+        chunk = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n%s\r\n\r\n" % framing)
+        s.setblocking(False)
+        sent, got, deadline = 0, b"", time.monotonic() + 60
+        while sent < 1 << 30 and time.monotonic() < deadline:
+            readable, writable, _ = select.select([s], [s], [], 10)
+            try:
+                if readable:
+                    data = s.recv(65536)
+                    if not data:
+                        break
+                    got += data
+                if writable:
+                    sent += s.send(chunk)
+                    time.sleep(0.001)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+    assert got.startswith(b"HTTP/1.1 413 ") and b"request_too_large" in got
+    assert sent < 256 * 1024 * 1024, f"the server went on reading: {sent} bytes of a body it refused"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,6 +1,7 @@
 """Ray Serve apps built with build_app() on a local cluster: speculation on vs off, API keys, queue
 limits, client disconnects. Tiny random models keep each app cheap."""
 import asyncio
+import re
 import time
 
 import httpx
@@ -314,6 +315,44 @@ def test_tokenize_and_detokenize(base):
     assert httpx.post(f"{base}/keyed/tokenize", json={"prompt": "x"}).status_code == 401
     assert httpx.post(f"{base}/keyed/tokenize", json={"prompt": "x"},
                       headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+# the field types vLLM's own /tokenizer_info schema test checks
+TOKENIZER_INFO_TYPES = {"add_bos_token": bool, "add_prefix_space": bool, "clean_up_tokenization_spaces": bool,
+                        "split_special_tokens": bool, "bos_token": str, "eos_token": str, "pad_token": str,
+                        "unk_token": str, "chat_template": str, "errors": str, "model_max_length": int,
+                        "additional_special_tokens": list, "added_tokens_decoder": dict}
+
+
+def test_tokenizer_info(base):
+    info = httpx.get(f"{base}/spec/tokenizer_info").json()
+    assert isinstance(info["tokenizer_class"], str) and info["tokenizer_class"]
+    for field, kind in TOKENIZER_INFO_TYPES.items():
+        assert info.get(field) is None or isinstance(info[field], kind), field
+    # what a remote tokenizer (lm-evaluation-harness's) reads, consistent with /tokenize
+    tok = httpx.post(f"{base}/spec/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert tok["count"] == 1 and info["model_max_length"] == tok["max_model_len"]
+    assert info["add_bos_token"] is False  # the char tokenizer adds nothing
+    assert "{%" in info["chat_template"]  # the template chat completions use
+    # nothing of where the files were: no name_or_path, no *_file, no absolute path anywhere
+    assert not {"name_or_path", "vocab_file", "tokenizer_file", "merges_file", "cache_dir", "token"} & set(info)
+    assert not re.search(r'"(/|~/|[A-Za-z]:\\\\)', httpx.get(f"{base}/spec/tokenizer_info").text)
+    assert httpx.get(f"{base}/keyed/tokenizer_info").status_code == 401
+    keyed = httpx.get(f"{base}/keyed/tokenizer_info", headers={"Authorization": "Bearer s3cret"})
+    assert keyed.status_code == 200 and keyed.json()["tokenizer_class"] == info["tokenizer_class"]
+
+
+def test_token_ids_from_tokenize_complete_as_the_text_does(base):
+    """A client that tokenizes through /tokenize and sends the ids gets the text's greedy completion:
+    the same prompt tokens, BOS (where the tokenizer adds one) once. tests/test_serve_config.py checks
+    the same on Gemma, whose tokenizer adds BOS."""
+    c = client(base, "spec")
+    for text in ["the cat sat", "hello world"]:
+        ids = httpx.post(f"{base}/spec/tokenize", json={"model": TARGET, "prompt": text}).json()["tokens"]
+        kw = dict(model=TARGET, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        as_text, as_ids = c.completions.create(prompt=text, **kw), c.completions.create(prompt=ids, **kw)
+        assert as_ids.choices[0].text == as_text.choices[0].text
+        assert as_ids.usage.prompt_tokens == as_text.usage.prompt_tokens == len(ids)
 
 
 def test_grpc_logprobs_and_penalties(base, stubs):
