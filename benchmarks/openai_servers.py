@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import re
 import socket
@@ -27,13 +26,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def document(seed: int, words: int) -> str:
@@ -152,12 +144,3 @@ def llama_bytes_per_token(gguf: Path) -> int:
 
 
 
-
-def save(name: str, result: dict) -> Path:
-    """Append this machine's row to benchmarks/results/<name>.json (one row per CPU model)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    history = json.loads(path.read_text()) if path.exists() else []
-    history = [h for h in history if h.get("cpu") != result["cpu"]] + [result]
-    path.write_text(json.dumps(history, indent=1))
-    return path

@@ -27,7 +27,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from openai_servers import BIN, Server, cpu_model, document, save, start_llama, start_tandem, token_times  # noqa: E402
+from machine import cpu_model, save  # noqa: E402
+from openai_servers import BIN, Server, document, start_llama, start_tandem, token_times  # noqa: E402
 
 
 async def stall(server: Server, long_words: int, stream_tokens: int) -> dict:

@@ -64,6 +64,8 @@ def request_body(request: pb.GenerateRequest) -> tuple[str, dict]:
         if kind == "chat":
             raise RequestError(400, "prompt_logprobs: only for prompts, not messages")
         body["prompt_logprobs"] = request.prompt_logprobs
+    if request.HasField("cache_salt"):
+        body["cache_salt"] = request.cache_salt
     return kind, body
 
 

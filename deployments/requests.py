@@ -103,6 +103,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None  # None: 0
     repetition_penalty: float | None = None  # vLLM's extension; None: 1
     logit_bias: dict[str, float] | None = None  # token id (as a string: a JSON key) -> bias
+    # vLLM's: requests with different salts never share a prefix-cache block (tenants apart)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # not implemented: see NEUTRAL_VALUES
     best_of: Any = None
     min_p: Any = None
@@ -275,6 +277,7 @@ class PreparedRequest:
     choices: list[Choice]
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -314,7 +317,7 @@ class RequestLayer:
             choices = self._completion_choices(req)
         else:
             choices = self._chat_choices(req)
-        return PreparedRequest(request_id, kind, choices, req.stream, include_usage)
+        return PreparedRequest(request_id, kind, choices, req.stream, include_usage, req.cache_salt)
 
     async def tokenize_async(self, body: bytes) -> dict:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenize, body)
@@ -462,7 +465,8 @@ class RequestLayer:
         streams: list[RequestStream] = []
         try:
             for c in prepared.choices:
-                streams.append(self.engine.add_request(c.prompt, c.params, f"{prepared.request_id}-{c.index}"))
+                streams.append(self.engine.add_request(c.prompt, c.params, f"{prepared.request_id}-{c.index}",
+                                                       prepared.cache_salt))
         except BaseException as e:
             for s in streams:
                 s.abort()

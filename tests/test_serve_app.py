@@ -183,6 +183,30 @@ def test_grpc_unary_and_stream_equal_http(base, stubs):
     assert chat.usage.completion_tokens >= 1
 
 
+def test_cache_salt_over_http_and_grpc(base, stubs):
+    """vLLM's cache_salt: accepted on both transports (the same greedy text: a salt changes what is
+    shared, never the output), refused when empty or too long, with the API's own error."""
+    import grpc
+
+    from tandem_proto import tandem_pb2 as pb
+
+    c = client(base, "spec")
+    kw = dict(model=TARGET, prompt="the salted cat sat", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    plain = c.completions.create(**kw).choices[0].text
+    salted = c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "cache_salt": "tenant-a"}})
+    assert salted.choices[0].text == plain
+    for bad in ("", "s" * 1025):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.completions.create(**{**kw, "extra_body": {"cache_salt": bad}})
+        assert "cache_salt" in str(err.value)
+    reply = stubs["spec"].Generate(pb.GenerateRequest(model=TARGET, prompt="the salted cat sat", max_tokens=12,
+                                                      temperature=0, ignore_eos=True, cache_salt="tenant-b"))
+    assert reply.text == plain
+    with pytest.raises(grpc.RpcError) as err:
+        stubs["spec"].Generate(pb.GenerateRequest(model=TARGET, prompt="x", cache_salt=""))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_grpc_errors(base, stubs):
     import grpc
 
