@@ -38,27 +38,16 @@ def document(seed: int, words: int) -> str:
     return f"Document {seed}.\n" + " ".join(sentences)
 
 
-async def ttft(client: httpx.AsyncClient, path: str, body: dict) -> tuple[float, str]:
-    """Time to the first streamed text, and the whole text (the stream is read to its end)."""
-    start, first, text = time.perf_counter(), None, []
-    async with client.stream("POST", path, json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{path}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            if piece and first is None:
-                first = time.perf_counter()
-            text.append(piece)
-    return (first or time.perf_counter()) - start, "".join(text)
+def client_for(server: "Server", timeout: float) -> httpx.AsyncClient:
+    """A client that opens a connection per request: llama-server (cpp-httplib) closes idle keep-alive
+    connections, and a request sent on one it just closed fails with no response."""
+    return httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
 
 
-async def token_times(client: httpx.AsyncClient, path: str, body: dict) -> tuple[float, list[tuple[float, int]]]:
-    """(start, [(arrival, tokens)]) for each streamed chunk with text: tokens counted from the chunk's
-    logprobs when the server sends them (ask with logprobs), else 1 (llama.cpp streams one a chunk)."""
-    start, chunks = time.perf_counter(), []
+async def stream_chunks(client: httpx.AsyncClient, path: str, body: dict):
+    """Yield (arrival time, text, tokens) for each streamed chunk that carries text. Tokens are counted
+    from the chunk's logprobs when the server sends them (ask with logprobs), else 1 (llama.cpp streams
+    one a chunk)."""
     async with client.stream("POST", path, json={**body, "stream": True}) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{path}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -66,12 +55,25 @@ async def token_times(client: httpx.AsyncClient, path: str, body: dict) -> tuple
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choices = json.loads(line[6:]).get("choices") or []
-            if not choices or not (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
-                continue
-            lp = choices[0].get("logprobs") or {}
-            n = len(lp.get("tokens") or lp.get("content") or []) or 1
-            chunks.append((time.perf_counter(), n))
-    return start, chunks
+            piece = (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")) if choices else None
+            if piece:
+                lp = choices[0].get("logprobs") or {}
+                yield time.perf_counter(), piece, len(lp.get("tokens") or lp.get("content") or []) or 1
+
+
+async def ttft(client: httpx.AsyncClient, path: str, body: dict) -> tuple[float, str]:
+    """Time to the first streamed text, and the whole text (the stream is read to its end)."""
+    start, first, text = time.perf_counter(), None, []
+    async for arrival, piece, _ in stream_chunks(client, path, body):
+        first = first or arrival
+        text.append(piece)
+    return (first or time.perf_counter()) - start, "".join(text)
+
+
+async def token_times(client: httpx.AsyncClient, path: str, body: dict) -> tuple[float, list[tuple[float, int]]]:
+    """(start, [(arrival, tokens)]) of each streamed chunk with text."""
+    start = time.perf_counter()
+    return start, [(arrival, n) async for arrival, _, n in stream_chunks(client, path, body)]
 
 
 class Server:

@@ -28,17 +28,18 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_model, save  # noqa: E402
-from openai_servers import BIN, Server, document, llama_bytes_per_token, start_llama, start_tandem, ttft  # noqa: E402
+from openai_servers import BIN, client_for, ROOT, Server, document, llama_bytes_per_token, start_llama, start_tandem, ttft  # noqa: E402
 GiB = 1 << 30
 
 
 async def shared_prefix(server: Server, rounds: int, words: int) -> dict:
     cold, warm = [], []
-    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+    async with client_for(server, 600) as client:
         for r in range(rounds):
             doc = document(1000 + r + (500 if server.name == "llama.cpp" else 0), words)
             for i, sink in enumerate((cold, warm)):
@@ -52,18 +53,21 @@ async def shared_prefix(server: Server, rounds: int, words: int) -> dict:
 async def chat(server: Server, turns: int, seed: int) -> dict:
     messages = [{"role": "user", "content": document(seed, 300) + "\n\nSummarize this in one sentence."}]
     times = []
-    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+    async with client_for(server, 600) as client:
         for t in range(turns):
             body = {"model": server.model, "messages": messages, "max_tokens": 48, "temperature": 0}
             took, reply = await ttft(client, "/v1/chat/completions", body)
             times.append(1e3 * took)
+            # a model's markup leaking into its reply (llama.cpp's Gemma output shows ChatML tags) is not
+            # resent: llama-server drops a streamed turn that carries it
+            reply = re.sub(r"<\|[^|>]*\|>|<(start|end)_of_turn>", "", reply).strip() or "OK."
             messages += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": f"Now say more about part {t + 1}."}]
     return {"ttft_ms_per_turn": times}
 
 
 async def long_prompt(server: Server, words: int) -> dict:
-    async with httpx.AsyncClient(base_url=server.url, timeout=900) as client:
+    async with client_for(server, 900) as client:
         body = {"model": server.model, "prompt": document(7, words) + "\n\nThe end. In short,",
                 "max_tokens": 8, "temperature": 0}
         try:
@@ -74,7 +78,7 @@ async def long_prompt(server: Server, words: int) -> dict:
 
 
 async def concurrency(server: Server, n: int) -> dict:
-    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+    async with client_for(server, 600) as client:
         bodies = [{"model": server.model, "prompt": f"Request {i}: list a few fruits:", "max_tokens": 64,
                    "temperature": 0, "ignore_eos": True} for i in range(n)]
         tasks = [asyncio.create_task(ttft(client, "/v1/completions", b)) for b in bodies]
@@ -85,6 +89,18 @@ async def concurrency(server: Server, n: int) -> dict:
         for t in tasks:
             t.result()
     return {"requests": n, "most_running_at_once": most}
+
+
+def cache_counts(server: Server) -> dict:
+    """Tandem's prefix-cache queries and hits so far, per model (prompt tokens)."""
+    metrics = httpx.get(f"{server.url}/metrics").text
+    return {f"prefix_cache_{kind}": {m: float(v) for m, v in re.findall(
+        rf'^tandem:prefix_cache_{kind}_total\{{[^}}]*model="(\w+)"[^}}]*\}} ([0-9.e+]+)', metrics, re.M)}
+        for kind in ("queries", "hits")}
+
+
+def app_args() -> dict:
+    return yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
 
 
 def main() -> None:
@@ -114,13 +130,24 @@ def main() -> None:
                    "chat": asyncio.run(chat(server, 6, 77)),
                    "long_prompt": asyncio.run(long_prompt(server, args.long_words))}
             if side == "tandem":
-                metrics = httpx.get(f"{server.url}/metrics").text
-                out["prefix_cache_hits"] = {m: float(v) for m, v in re.findall(
-                    r'^tandem:prefix_cache_hits_total\{[^}]*model="(\w+)"[^}]*\} ([0-9.e+]+)', metrics, re.M)}
+                out.update(cache_counts(server))
         finally:
             stop()
         result[side] = out
         print(side, json.dumps(out, indent=1), flush=True)
+
+    # the default app's adaptive K gives most requests no draft on this CPU (it can't pay here), so
+    # they never touch the draft's cache: the shared-prefix case again with every request drafting
+    spec = {**app_args()["speculative_config"], "adaptive": False}
+    server, stop = start_tandem({"speculative_config": spec}, ray_started)
+    try:
+        asyncio.run(shared_prefix(server, 1, 50))
+        out = {"shared_prefix": asyncio.run(shared_prefix(server, args.rounds, args.prefix_words))}
+        out.update(cache_counts(server))
+    finally:
+        stop()
+    result["tandem, every request drafting"] = out
+    print("tandem, every request drafting", json.dumps(out, indent=1), flush=True)
 
     # 12 short requests with a 1 GiB KV budget at an 8192-token context
     for side in sides:

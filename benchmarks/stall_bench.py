@@ -23,16 +23,15 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_model, save  # noqa: E402
-from openai_servers import BIN, Server, document, start_llama, start_tandem, token_times  # noqa: E402
+from openai_servers import BIN, client_for, Server, document, start_llama, start_tandem, token_times  # noqa: E402
 
 
 async def stall(server: Server, long_words: int, stream_tokens: int) -> dict:
-    async with httpx.AsyncClient(base_url=server.url, timeout=900) as client:
+    async with client_for(server, 900) as client:
         def body(i: int) -> dict:
             return {"model": server.model, "prompt": f"Story {i}: once upon a time,", "max_tokens": stream_tokens,
                     "temperature": 0, "ignore_eos": True, "logprobs": 0}
@@ -53,7 +52,7 @@ async def stall(server: Server, long_words: int, stream_tokens: int) -> dict:
 
 
 async def long_stream(server: Server, tokens: int) -> dict:
-    async with httpx.AsyncClient(base_url=server.url, timeout=1800) as client:
+    async with client_for(server, 1800) as client:
         body = {"model": server.model, "prompt": "Write a very long story about a lighthouse keeper.",
                 "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
         _, chunks = await token_times(client, "/v1/completions", body)
