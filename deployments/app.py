@@ -25,7 +25,7 @@ class ServeArgs(BaseModel):
     tensor_parallel_size: int = 1
     max_num_seqs: int | None = None  # EngineConfig's: unset, 16 on a CPU and 256 on a GPU
     block_size: int = 16  # EngineConfig's: tokens per KV block
-    max_num_batched_tokens: int | None = None  # EngineConfig's: tokens per step (unset: 192 CPU, 2048 GPU)
+    max_num_batched_tokens: int | None = None  # EngineConfig's: tokens per step (unset: 256 CPU, 2048 GPU)
     enable_prefix_caching: bool = True  # EngineConfig's
     seed: int = 0
     device: str = "auto"

@@ -27,7 +27,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default 16)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one step computes per model: decode rows first, then prefill chunks "
-                        "(default 192 on a CPU, 2048 on a GPU)")
+                        "(default 256 on a CPU, 2048 on a GPU)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share cached blocks of a common prompt prefix between requests (default on)")
     p.add_argument("--max-queued-requests", type=int, default=64)

@@ -152,10 +152,10 @@ class EngineConfig(BaseModel):
     block_size: int = Field(default=16, ge=1, le=256)
     # Tokens one step computes in each model (vLLM's max_num_batched_tokens): the decoding rows' K+1
     # verify tokens first, then prefill chunks of admitted prompts with what is left, so a long prompt
-    # is prefilled over several steps while the running streams go on. Unset: 192 on a CPU (Gemma 3
-    # 270M prefills ~640 tokens/s on 2 cores: a chunk pauses the running streams ~0.3 s, and a 1900-token
-    # prompt's TTFT grows ~10% against one step; benchmarks/stall_bench.py), 2048 on a GPU (vLLM's
-    # default for online serving).
+    # is prefilled over several steps while the running streams go on. Unset: 256 on a CPU (Gemma 3
+    # 270M prefills ~640 tokens/s on 2 cores: a chunk pauses the running streams ~0.4-0.5 s; smaller
+    # chunks pause them less but cost a long prompt's TTFT more, benchmarks/stall_bench.py), 2048 on
+    # a GPU (vLLM's default for online serving).
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -199,7 +199,7 @@ class EngineConfig(BaseModel):
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return 2048 if self.resolved_device() == "cuda" else 192
+        return 2048 if self.resolved_device() == "cuda" else 256
 
     def resolved_max_num_seqs(self) -> int:
         if self.max_num_seqs is not None:
