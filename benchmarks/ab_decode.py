@@ -77,7 +77,7 @@ def main() -> None:
         row = result[f"batch_{batch}"]
         print(f"batch {batch}: base {row['base_tok_s']:.1f}  new {row['new_tok_s']:.1f} tok/s  new/base "
               f"{row['ratio']:.3f}x ({row['range'][0]:.3f}-{row['range'][1]:.3f})")
-    print(f"wrote {save('ab_decode', result)}")
+    print(f"wrote {save('ab_decode', result, key=('cpu', 'model', 'base'))}")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,14 @@ def cpu_model() -> str:
     return f"{name} ({' '.join(f for f in FLAGS if f in flags)})"
 
 
-def save(name: str, result: dict) -> Path:
-    """Append this machine's row to benchmarks/results/<name>.json (one row per CPU model)."""
+def save(name: str, result: dict, key: tuple[str, ...] = ("cpu",)) -> Path:
+    """Append this machine's row to benchmarks/results/<name>.json: one row per CPU model (and per the
+    other `key` fields), a new run replacing the row it repeats."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     history = json.loads(path.read_text()) if path.exists() else []
     if isinstance(history, dict):  # a file from before rows were kept per machine: its one row stays
         history = [{"cpu": "not recorded", **history}]
-    history = [h for h in history if h.get("cpu") != result["cpu"]] + [result]
+    history = [h for h in history if any(h.get(k) != result.get(k) for k in key)] + [result]
     path.write_text(json.dumps(history, indent=1))
     return path
