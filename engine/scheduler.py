@@ -103,6 +103,11 @@ class Scheduler:
         self.draft_max_len = min(max_model_len, draft_max_len or max_model_len)
         self.max_num_seqs = config.resolved_max_num_seqs()
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens()
+        decode_tokens = self.max_num_seqs * ((self.spec.num_speculative_tokens if self.spec else 0) + 1)
+        if self.max_num_batched_tokens <= decode_tokens:
+            log.warning("max_num_batched_tokens %d leaves no room for prefill when max_num_seqs %d rows verify "
+                        "their drafts: new prompts wait for running requests to finish",
+                        self.max_num_batched_tokens, self.max_num_seqs)
         # the executor sized the caches from the memory budget; each model keeps its own blocks
         self.target_kv = KVCacheManager(executor.num_blocks, config.block_size, config.enable_prefix_caching)
         self.draft_kv = KVCacheManager(executor.num_blocks, config.block_size, config.enable_prefix_caching) \
