@@ -93,7 +93,7 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
         try:
             prepared = await self._prepare(request, context, rid)
             (stream,) = self.layer.start(prepared)
-            context.add_done_callback(lambda _: stream.abort())  # a cancelled call frees its slot
+            context.add_done_callback(lambda _: stream.abort())  # a cancelled call frees its blocks
             done = await collect(stream)
         except RequestError as e:
             await _abort(context, e, rid)
@@ -116,7 +116,7 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
         except Exception as e:  # noqa: BLE001
             await _internal(context, e, rid)
         # grpc.aio does not cancel a streaming handler when its client cancels (writes to the dead
-        # call are dropped): the call's end frees the slot
+        # call are dropped): the call's end frees its blocks
         context.add_done_callback(lambda _: stream.abort())
         completion = 0
         try:
@@ -139,7 +139,7 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
                 raise
             await _internal(context, e, rid)
         finally:
-            stream.abort()  # a cancelled call (this task cancelled) frees its slot
+            stream.abort()  # a cancelled call (this task cancelled) frees its blocks
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:  # noqa: N802
         rid = f"grpc-{uuid.uuid4().hex}"
