@@ -358,9 +358,7 @@ class Scheduler:
         """Recompute later (vLLM v1's policy): its blocks go back, cached blocks of its prefix most
         likely stay for its return. Its output, random streams and text are kept."""
         self.running.remove(seq)
-        self.target_kv.free(seq.target)
-        if self.draft_kv is not None:
-            self.draft_kv.free(seq.draft)
+        self._free_blocks(seq)
         seq.ahead = None
         self.target_kv.counters.preemptions += 1
         self.waiting.appendleft(seq)
