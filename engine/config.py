@@ -247,6 +247,7 @@ class EngineConfig(BaseModel):
 
 
 MAX_CACHE_SALT_CHARS = 1024
+MAX_STOP_CHARS = 1024
 
 
 def check_cache_salt(salt: Any) -> str | None:
@@ -347,6 +348,8 @@ class SamplingParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):  # held-back text and its search scale with it
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         if any(t < 0 for t in self.stop_token_ids):  # the upper bound is the engine's vocabulary
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {[t for t in self.stop_token_ids if t < 0][:5]}")
         for name in ("presence_penalty", "frequency_penalty"):

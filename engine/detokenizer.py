@@ -43,5 +43,8 @@ class IncrementalDetokenizer:
         if finished or self.stop_hit is not None or not self.stop:
             return len(self.text)
         tail = self.text[-self._hold:] if self._hold else ""
-        keep = next((len(tail) - i for i in range(len(tail)) if any(s.startswith(tail[i:]) for s in self.stop)), 0)
+        firsts = {s[0] for s in self.stop}
+        # the longest tail that begins some stop string: only where a stop string's first char is
+        keep = next((len(tail) - i for i, c in enumerate(tail)
+                     if c in firsts and any(s.startswith(tail[i:]) for s in self.stop)), 0)
         return len(self.text) - keep

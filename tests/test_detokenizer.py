@@ -59,3 +59,12 @@ def test_a_stop_string_across_tokens_ends_the_text_before_it_and_is_never_visibl
         if hit:
             break
     assert hit == "STOPWORD" and detok.text == "alpha beta " and shown == "alpha beta "
+
+
+def test_held_back_text_is_only_what_may_begin_a_stop_string(tokenizer):
+    ids = tokenizer.encode("one two thr", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["three", "xyz"])
+    for token in ids:
+        detok.add(token)
+    assert detok.text == "one two thr" and detok.text[:detok.visible(finished=False)] == "one two "
+    assert detok.visible(finished=True) == len(detok.text)

@@ -176,6 +176,7 @@ HTTP_CASES = [
     ("prompt-huge", "completions", {**OK, "prompt": HUGE_TEXT}, 400),
     ("empty-stop-string", "completions", {**OK, "stop": [""]}, 400),
     ("too-many-stop-strings", "completions", {**OK, "stop": [f"s{i}" for i in range(100)]}, 400),
+    ("huge-stop-string", "completions", {**OK, "stop": ["a" * 100_000]}, 400),
     ("seed-2^70", "completions", {**OK, "seed": 2**70}, 200),
     ("unknown-model", "completions", {**OK, "model": "gpt-4"}, 404),
     ("model-lone-surrogate", "completions", {**OK, "model": "\ud800"}, 404),
