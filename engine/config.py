@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.structured import StructuredOutputsParams
+
 # Filled in by the engine from the loaded models; a user never sets these.
 INTERNAL_SPEC_FIELDS = (
     "target_model_config", "draft_model_config", "target_parallel_config",
@@ -319,6 +321,9 @@ class SamplingParams(BaseModel):
     # and with prompt_logprobs those of every prompt token after the first (the raw model's)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # the output held to a grammar (JSON schema, regex, choice, Lark/GBNF), in plain and speculative
+    # decoding alike: every sampled position is masked by the grammar's state (engine/structured.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

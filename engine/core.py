@@ -11,20 +11,11 @@ from typing import Any
 
 from engine.config import EngineConfig, check_model_pair, parallel_drafting_token
 from engine.executor import LocalExecutor, RayExecutor
-from engine.models.loading import load_config, load_tokenizer, resolve_model
+from engine.models.loading import eos_token_ids, load_config, load_tokenizer, resolve_model
 from engine.scheduler import Scheduler
 from engine.vocab_mapping import VocabMapping
 
 log = logging.getLogger(__name__)
-
-def eos_token_ids(tokenizer, hf_config) -> set[int]:
-    ids = set()
-    for value in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(value)
-    return ids
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch
@@ -21,9 +22,10 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ExecutorError, StepError
 from engine.memory import DeviceMemory, device_budget, plan_blocks
-from engine.models.loading import resolve_model
 from engine.proposer import DraftModelProposer
-from engine.step import AheadBatch, DraftBatch, DraftOutput, Prefill, VerifyBatch, VerifyOutput
+from engine.grammar_masks import GrammarMasks
+from engine.models.loading import eos_token_ids, load_config, load_tokenizer, resolve_model
+from engine.step import AheadBatch, DraftBatch, DraftOutput, Prefill, RequestGrammar, VerifyBatch, VerifyOutput
 from engine.verifier import Verifier
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
@@ -58,10 +60,22 @@ class GroupRank:
                                   device, rng_stream=role, rank=rank, world=world, group=group,
                                   gguf_blocks=config.gguf_weights == "blocks")
         self.rank, self.group, self.config = rank, group, config
+        self.grammars = self._grammars(config, self.worker.vocab_size) if role == "target" else None
         if role == "draft":
             self.proposer = DraftModelProposer(self.worker, spec, target_vocab, vocab_mapping)
         else:
-            self.verifier = Verifier(self.worker, spec)
+            self.verifier = Verifier(self.worker, spec, self.grammars)
+
+    @staticmethod
+    def _grammars(config: EngineConfig, vocab: int) -> GrammarMasks:
+        """Grammar state in the target's tokens (what every grammar is written in); its tokenizer
+        view is built in the background now, so no step waits seconds for the first grammar."""
+        source = resolve_model(config.model)
+        tokenizer = load_tokenizer(source, config.tokenizer)
+        grammars = GrammarMasks(tokenizer, eos_token_ids(tokenizer, load_config(source)), vocab,
+                                threads=torch.get_num_threads())
+        threading.Thread(target=grammars.warm, name="tandem-grammar-warm", daemon=True).start()
+        return grammars
 
     def ready(self) -> bool:
         return True
@@ -80,11 +94,15 @@ class GroupRank:
         for worker in self._workers():
             worker.allocate_cache(num_blocks)
 
-    def add_request(self, request_id: str, seed: int) -> None:
+    def add_request(self, request_id: str, seed: int, grammar: RequestGrammar | None = None) -> None:
         self.worker.add_request(request_id, seed)
+        if grammar is not None and self.grammars is not None:
+            self.grammars.add(request_id, grammar.grammar, list(grammar.output_ids), list(grammar.stop_token_ids))
 
     def remove_request(self, request_id: str) -> None:
         self.worker.remove_request(request_id)
+        if self.grammars is not None:
+            self.grammars.remove(request_id)
 
     def prefill(self, chunk: Prefill, after=None, scored: tuple[int, int] | None = None):
         """`after`: an ObjectRef this call waits for (Ray resolves it first), to order two groups'
@@ -148,8 +166,8 @@ class ColocatedRanks(GroupRank):
     def _workers(self) -> list[ModelWorker]:
         return [self.worker] + ([self.draft.worker] if self.draft is not None else [])
 
-    def draft_add_request(self, request_id: str, seed: int) -> None:
-        self.draft.add_request(request_id, seed)
+    def draft_add_request(self, request_id: str, seed: int, grammar: RequestGrammar | None = None) -> None:
+        self.draft.add_request(request_id, seed, grammar)
 
     def draft_remove_request(self, request_id: str) -> None:
         self.draft.remove_request(request_id)
@@ -197,11 +215,11 @@ class LocalExecutor:
     def _ranks(self):
         return [r for r in (self.target, self.draft) if r is not None]
 
-    def add_request(self, request_id: str, seed: int, draft: bool = True) -> None:
-        """Per-request state (its random streams) on the target, and on the draft unless the request
-        will never draft (draft=False: adaptive K found drafting can't pay)."""
+    def add_request(self, request_id: str, seed: int, draft: bool = True, grammar: RequestGrammar | None = None) -> None:
+        """Per-request state (its random streams, its grammar) on the target, and on the draft unless
+        the request will never draft (draft=False: adaptive K found drafting can't pay)."""
         for r in self._ranks() if draft else [self.target]:
-            r.add_request(request_id, seed)
+            r.add_request(request_id, seed, grammar)
 
     def remove_request(self, request_id: str) -> None:
         for r in self._ranks():
@@ -397,11 +415,11 @@ class RayExecutor:
     def _all(self):
         return self.target + self.draft  # a colocated draft's handles reach the target actors' draft_ calls
 
-    def add_request(self, request_id: str, seed: int, draft: bool = True) -> None:
-        """As InProcessExecutor.add_request; a request that never drafts costs the draft group no call."""
+    def add_request(self, request_id: str, seed: int, draft: bool = True, grammar: RequestGrammar | None = None) -> None:
+        """As LocalExecutor.add_request; a request that never drafts costs the draft group no call."""
         if draft:
             self._with_draft.add(request_id)
-        self._get([r.add_request.remote(request_id, seed) for r in (self._all() if draft else self.target)])
+        self._get([r.add_request.remote(request_id, seed, grammar) for r in (self._all() if draft else self.target)])
 
     def remove_request(self, request_id: str) -> None:
         ranks = self._all() if request_id in self._with_draft else self.target

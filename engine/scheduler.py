@@ -24,7 +24,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
 from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
-from engine.step import AheadBatch, DraftBatch, Prefill, RowSampling, VerifyBatch
+from engine.step import AheadBatch, DraftBatch, Prefill, RequestGrammar, RowSampling, VerifyBatch
+from engine.structured import GrammarCompiler
 from engine.vocab_mapping import VocabMapping
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Sequence:
     seed: int
     seq_id: int = 0  # unique among the engine's sequences: names its rows in a step's batches
     cache_salt: str | None = None  # requests with different salts never share a cached block
+    grammar: str | None = None  # structured outputs: the compiled grammar its output is held to
     output_ids: list[int] = field(default_factory=list)
     target: SeqCache = field(default_factory=SeqCache)  # its blocks and computed tokens in the target's cache
     draft_ids: list[int] = field(default_factory=list)  # the draft's view of prompt+output
@@ -97,6 +99,7 @@ class Scheduler:
         self.vocab_mapping = vocab_mapping
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.grammars = GrammarCompiler(tokenizer, eos_ids)
         self.spec = config.speculative_config
         self.max_model_len = max_model_len
         # past its own context limit the draft stops drafting for a sequence; the target goes on alone
@@ -157,12 +160,15 @@ class Scheduler:
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if params.structured_outputs is not None:  # compiled here, off the step thread, and cached
+            self.grammars.compile(params.structured_outputs)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
             cache_salt: str | None = None) -> Sequence:
         self.check_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else next(self._seeds)
-        seq = Sequence(request_id, prompt, list(prompt_ids), params, seed, next(self._seq_ids), cache_salt,
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        seq = Sequence(request_id, prompt, list(prompt_ids), params, seed, next(self._seq_ids), cache_salt, grammar,
                        acceptance=self.acceptance.prior(),
                        detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
         self.waiting.append(seq)
@@ -543,7 +549,9 @@ class Scheduler:
         gated = self.gate is not None and not self.gate.admit(self.acceptance, self.costs, len(self.running))
         if self.spec is None or gated:  # gated: drafting can't pay at the acceptance measured
             seq.drafts = False  # never drafts: no draft state, prefill or probes
-        self.executor.add_request(seq.request_id, seq.seed, draft=seq.drafts)
+        grammar = None if seq.grammar is None else \
+            RequestGrammar(seq.grammar, tuple(seq.output_ids), tuple(seq.params.stop_token_ids))
+        self.executor.add_request(seq.request_id, seq.seed, draft=seq.drafts, grammar=grammar)
         seq.started = True
         if seq.drafts and self.vocab_mapping is not None:  # the draft reads the text in its tokens
             seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
@@ -599,6 +607,8 @@ class Scheduler:
     def _row_sampling(self, seq: Sequence) -> RowSampling:
         p = seq.params
         history = {}
+        if seq.grammar is not None:
+            history["num_output"] = len(seq.output_ids)
         if p.penalized:
             history["output_ids"] = tuple(seq.output_ids)
             if p.repetition_penalty != 1.0:

@@ -22,6 +22,15 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class RequestGrammar:
+    """A constrained request's grammar as the workers get it (compiled and checked at the edge)."""
+
+    grammar: str  # llguidance's grammar text
+    output_ids: tuple[int, ...] = ()  # tokens already emitted (a request restarted on new groups)
+    stop_token_ids: tuple[int, ...] = ()  # allowed wherever the grammar may end, as EOS is
+
+
+@dataclass(frozen=True)
 class RowSampling:
     """How one sequence samples at the positions of this step."""
 
@@ -33,6 +42,8 @@ class RowSampling:
     # With penalties: the tokens they count (the prompt's only for repetition_penalty), else empty.
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
+    # with structured outputs: the output tokens committed so far (the grammar state stands there)
+    num_output: int = 0
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import SpeculativeConfig
+from engine.grammar_masks import GrammarMasks, apply_masks
 from engine.rejection import block_sample, rejection_sample, synthetic_sample
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, apply_penalties, held_back_pairs, mask_tokens, \
     processed_logprobs, step_probs
@@ -14,8 +15,9 @@ from engine.worker import ModelWorker
 
 
 class Verifier:
-    def __init__(self, worker: ModelWorker, spec: SpeculativeConfig | None):
+    def __init__(self, worker: ModelWorker, spec: SpeculativeConfig | None, grammars: GrammarMasks | None = None):
         self.worker = worker
+        self.grammars = grammars  # constrained requests' grammar state (structured outputs)
         self.method = spec.rejection_sample_method if spec else "standard"
         self.synthetic_rates = (torch.tensor(spec.synthetic_rates(), device=worker.device)
                                 if spec and self.method == "synthetic" else None)
@@ -33,6 +35,8 @@ class Verifier:
         V = logits.shape[2]
         # row b's k_b + 1 verified positions, flat: vLLM's [num_draft_tokens + B, V]
         flat, firsts = scored_positions(logits, batch.pending, [k + 1 for k in counts])
+        constrained = [b for b in range(B) if batch.sampling[b].params.structured_outputs is not None]
+        grammar_errors = self._mask_grammar(flat, batch, constrained, row_drafts, firsts) if constrained else {}
         flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]), inplace=True)
         params = [row.params for row in batch.sampling]
         apply_penalties(flat, batch.sampling, firsts, [k + 1 for k in counts], row_drafts)
@@ -41,11 +45,14 @@ class Verifier:
         if not any(counts) and not lp_rows and self.method != "synthetic" and all(x.greedy for x in params):
             # plain greedy step: the token is the argmax (what sampling the one-hot distribution gives)
             out = [[t] for t in flat.argmax(-1).tolist()]
-            errors = {}
+            errors = dict(grammar_errors)
             if drafts is not None:
                 for b in range(B):
                     if batch.seq_ids[b] in drafts.errors:
-                        errors[b], out[b] = drafts.errors[batch.seq_ids[b]], []
+                        errors[b] = drafts.errors[batch.seq_ids[b]]
+            for b in errors:
+                out[b] = []
+            self._advance_grammar(batch, constrained, out, errors)
             return VerifyOutput(tokens=out, num_accepted=[0] * B, errors=errors, logprobs={})
         lp_logits = None
         if lp_rows:
@@ -72,7 +79,11 @@ class Verifier:
         out, num_accepted, errors = [], [], {}
         for b, row in enumerate(result):
             n = row[-2]
-            if row[-1] or (drafts is not None and batch.seq_ids[b] in drafts.errors):
+            if b in grammar_errors:
+                errors[b] = grammar_errors[b]
+                out.append([])
+                num_accepted.append(0)
+            elif row[-1] or (drafts is not None and batch.seq_ids[b] in drafts.errors):
                 errors[b] = drafts.errors.get(batch.seq_ids[b], INVALID_DISTRIBUTION) if drafts else INVALID_DISTRIBUTION
                 out.append([])
                 num_accepted.append(0)
@@ -80,7 +91,23 @@ class Verifier:
                 out.append(row[: n + 1])
                 num_accepted.append(n)
         logprobs = self._logprobs(lp_rows, lp_logits, params, counts, out) if lp_rows else {}
+        self._advance_grammar(batch, constrained, out, errors)
         return VerifyOutput(tokens=out, num_accepted=num_accepted, errors=errors, logprobs=logprobs)
+
+    def _mask_grammar(self, flat: torch.Tensor, batch: VerifyBatch, rows: list[int], row_drafts: list[list[int]],
+                      firsts: list[int]) -> dict[int, str]:
+        """In place: -inf at every position of a constrained row outside its grammar (the state after
+        the drafts before that position); row -> error for rows whose grammar state is lost."""
+        allowed, failed = self.grammars.masks([(batch.sampling[b].request_id, batch.sampling[b].num_output,
+                                                row_drafts[b]) for b in rows])
+        positions = [firsts[b] + j for b in rows for j in range(len(row_drafts[b]) + 1)]
+        apply_masks(flat, positions, allowed)
+        return {rows[i]: message for i, message in failed.items()}
+
+    def _advance_grammar(self, batch: VerifyBatch, rows: list[int], out: list[list[int]], errors: dict) -> None:
+        for b in rows:
+            if b not in errors:
+                self.grammars.advance(batch.sampling[b].request_id, out[b])
 
     def _logprobs(self, rows: list[int], logits: torch.Tensor, params, counts: list[int],
                   tokens: list[list[int]]) -> dict[int, list]:

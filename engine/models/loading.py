@@ -292,6 +292,17 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 
+def eos_token_ids(tokenizer, hf_config) -> set[int]:
+    """The ids that end a generation: the model config's and the tokenizer's."""
+    ids = set()
+    for value in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(value)
+    return ids
+
+
 def load_tokenizer(source: ModelSource, name_override: str | None = None):
     from transformers import AutoTokenizer
 

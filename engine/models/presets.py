@@ -21,6 +21,10 @@ PRESETS: dict[str, dict] = {
                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=128,
                         initializer_range=0.2, sliding_window=8, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # tiny-llama with every character JSON needs (structured outputs' tests)
+    "tiny-llama-json": dict(model_type="llama", vocab_size=104, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                            initializer_range=0.2, rope_theta=10000.0),
     # A draft that declares a mask token for parallel drafting (PARD); its weights are tiny-llama's
     # for the same seed (random, so its drafts are untrained either way).
     "tiny-llama-pard": dict(model_type="llama", vocab_size=48, hidden_size=64, num_hidden_layers=2,
@@ -40,7 +44,8 @@ PRESETS: dict[str, dict] = {
 }
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
-ALPHABET = " " + string.ascii_lowercase + string.digits + ".,!?'\n-:" + string.ascii_uppercase
+# appended characters keep every earlier one's id (smaller vocabularies take a prefix)
+ALPHABET = " " + string.ascii_lowercase + string.digits + ".,!?'\n-:" + string.ascii_uppercase + '{}[]"_;()/+=*<>#@&%$|\\~^`\t'
 
 
 def _hf_config(preset: str):
