@@ -60,9 +60,9 @@ class GroupRank:
                                   device, rng_stream=role, rank=rank, world=world, group=group,
                                   gguf_blocks=config.gguf_weights == "blocks")
         self.rank, self.group, self.config = rank, group, config
-        self.grammars = self._grammars(config, self.worker.vocab_size) if role == "target" else None
+        self.grammars = self._grammars(config, target_vocab)  # in the target's tokens, on both groups
         if role == "draft":
-            self.proposer = DraftModelProposer(self.worker, spec, target_vocab, vocab_mapping)
+            self.proposer = DraftModelProposer(self.worker, spec, target_vocab, vocab_mapping, self.grammars)
         else:
             self.verifier = Verifier(self.worker, spec, self.grammars)
 

@@ -32,6 +32,8 @@ class _Matcher:
     matcher: object
     consumed: int  # output tokens it has consumed
     extra_end_ids: tuple[int, ...] = ()  # stop_token_ids: allowed wherever the grammar may end
+    drafted: int = 0  # drafts consumed on top (the draft side, within one propose call)
+    drafting: bool = False  # every draft so far was the grammar's: its masks still apply
 
 
 class GrammarMasks:
@@ -118,22 +120,73 @@ class GrammarMasks:
         return allowed, errors
 
     def advance(self, request_id: str, tokens: list[int]) -> None:
-        """The tokens a row emitted this step (its end token included, when it ended)."""
+        """The tokens a row emitted this step (its end token included, when it ended). One the
+        grammar refuses (a stop token that ended the request) is not consumed; if the request went
+        on, the next step finds the count short and fails the row."""
         state = self._matchers.get(request_id)
         if state is None:
             return
         for token in tokens:
-            if token in state.extra_end_ids:  # a stop token ends the request: nothing follows
+            if token in state.extra_end_ids or not state.matcher.try_consume_tokens([token]):
                 break
-            state.matcher.consume_token(token)
             state.consumed += 1
 
-    def _sync(self, state: _Matcher, committed: int) -> bool:
-        """Roll back what the matcher consumed beyond the committed output (False: it can't)."""
+    # -- the draft side: masks one position at a time, as the draft proposes ----------------------
+
+    def begin_drafts(self, request_id: str, committed: int, tail: tuple[int, ...]) -> bool:
+        """Bring the matcher to the committed output (`tail`: its last tokens, which this worker
+        may not have seen); False when it can't (the drafts then go unmasked: still exact)."""
+        state = self._matchers.get(request_id)
+        if state is None:
+            return False
+        state.drafted, state.drafting = 0, self._sync(state, committed, tail)
+        return state.drafting
+
+    def next_masks(self, request_ids: list[str]) -> Tensor:
+        """allowed [n, V] at each request's state now (its committed output and its drafts so far)."""
+        tokenizer = self._ll()
+        width = (tokenizer.vocab_size + 31) // 32
+        bitmask = torch.full((len(request_ids), width), -1, dtype=torch.int32)
+        jobs = [(self._matchers[r].matcher, i) for i, r in enumerate(request_ids)]
+        self._executor.unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), width * 4, len(request_ids))
+        return unpack(bitmask, tokenizer.vocab_size, self.vocab)
+
+    def push_draft(self, request_id: str, token: int) -> bool:
+        """Consume a draft; False (nothing consumed, masks stop for this row) when the grammar refuses it."""
+        state = self._matchers[request_id]
+        if state.drafting and state.matcher.try_consume_tokens([token]) == 1:
+            state.drafted += 1
+            return True
+        state.drafting = False
+        return False
+
+    def end_drafts(self, request_id: str) -> None:
+        state = self._matchers.get(request_id)
+        if state is not None and state.drafted:
+            state.matcher.rollback(state.drafted)
+        if state is not None:
+            state.drafted, state.drafting = 0, False
+
+    def drafting(self, request_id: str) -> bool:
+        state = self._matchers.get(request_id)
+        return state is not None and state.drafting
+
+    def _sync(self, state: _Matcher, committed: int, tail: tuple[int, ...] = ()) -> bool:
+        """Bring the matcher to `committed` output tokens: roll back what it consumed beyond them, or
+        consume the missing ones from `tail` (the last len(tail) of them). False: it can't."""
+        if state.matcher.is_error():
+            return False
         if state.consumed > committed:
             state.matcher.rollback(state.consumed - committed)
             state.consumed = committed
-        return state.consumed == committed and not state.matcher.is_error()
+        start = committed - len(tail)
+        if state.consumed < start:
+            return False
+        missing = list(tail[state.consumed - start:])
+        if missing:
+            consumed = state.matcher.try_consume_tokens(missing)
+            state.consumed += consumed
+        return state.consumed == committed
 
 
 def unpack(bitmask: Tensor, tokens: int, vocab: int) -> Tensor:

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from engine.config import SpeculativeConfig, parallel_drafting_token
+from engine.grammar_masks import GrammarMasks
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, held_back_pairs, invalid_rows, \
     mask_tokens, sample_inverse_cdf
 from engine.step import AheadBatch, DraftBatch, DraftOutput, scored_positions
@@ -32,8 +33,9 @@ class Proposer(Protocol):
 
 class DraftModelProposer:
     def __init__(self, worker: ModelWorker, spec: SpeculativeConfig, target_vocab: int,
-                 vocab_mapping: VocabMapping | None = None):
+                 vocab_mapping: VocabMapping | None = None, grammars: GrammarMasks | None = None):
         self.worker = worker
+        self.grammars = grammars  # constrained requests' grammar state, in the target's tokens
         self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.mask_token = parallel_drafting_token(worker.hf_config) if spec.parallel_drafting else None
         self.target_vocab = target_vocab
@@ -46,9 +48,20 @@ class DraftModelProposer:
             self.mapped_target = vocab_mapping.draft_to_target[vocab_mapping.draft_mask].to(dev)
 
     @torch.inference_mode()
-    def propose(self, batch: DraftBatch) -> DraftOutput:
+    def propose(self, batch: DraftBatch, grammar: bool = True) -> DraftOutput:
+        """grammar: mask constrained rows by their grammar state (structured outputs; sequential
+        drafting from the committed output only: PARD's and draft-ahead's drafts go unmasked,
+        which the verifier's masks keep exact)."""
         if self.mask_token is not None:
             return self._propose_parallel(batch)
+        constrained = self._begin_grammar(batch) if grammar else []
+        try:
+            return self._propose_sequential(batch, constrained)
+        finally:
+            for b in constrained:
+                self.grammars.end_drafts(batch.sampling[b].request_id)
+
+    def _propose_sequential(self, batch: DraftBatch, constrained: list[int]) -> DraftOutput:
         B, K = len(batch.seq_ids), max(batch.num_drafts)
         dev = self.worker.device
         params = [row.params for row in batch.sampling]
@@ -66,15 +79,18 @@ class DraftModelProposer:
             logits = self.worker.forward([batch.tables[b] for b in active], starts, feed, last_only=True)[:, 0]
             rows = [batch.sampling[b] for b in active]
             logits = self._allowed(logits, rows, list(range(len(active))), [1] * len(active), step)
+            masked = self._mask_grammar(logits, batch, active, constrained)
             index = torch.tensor(active, device=dev)
             if not self.probabilistic:
                 drafts[index, step] = logits.argmax(-1)
+                self._push_grammar(batch, drafts, active, masked, step)
                 continue
             q, invalid = self._distributions(logits, [params[b] for b in active])
             bad[index] |= invalid
             _, u = self.worker.draws([r.request_id for r in rows], [params[b].greedy for b in active],
                                      [0] * len(active), 0)
             drafts[index, step] = sample_inverse_cdf(q, u)
+            self._push_grammar(batch, drafts, active, masked, step)
             q_steps.append((active, q))
         if self.mapping is not None:
             drafts = self.draft_to_target[drafts]
@@ -105,7 +121,7 @@ class DraftModelProposer:
         return self.propose(DraftBatch(seq_ids=[batch.seq_ids[b] for b in keep], starts=[batch.starts[b] for b in keep],
                                        pending=pending, num_drafts=[batch.num_drafts[b] for b in keep],
                                        sampling=[batch.sampling[b] for b in keep],
-                                       tables=[batch.tables[b] for b in keep]))
+                                       tables=[batch.tables[b] for b in keep]), grammar=False)
 
     def _propose_parallel(self, batch: DraftBatch) -> DraftOutput:
         B, ks = len(batch.seq_ids), batch.num_drafts
@@ -137,6 +153,46 @@ class DraftModelProposer:
         if q is not None and self.mapping is not None:
             q = self._to_target(q)
         return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors, probs=q)
+
+    def _begin_grammar(self, batch: DraftBatch) -> list[int]:
+        """Rows whose drafts the grammar masks (their grammar state brought to the committed output)."""
+        if self.grammars is None:
+            return []
+        return [b for b, row in enumerate(batch.sampling) if row.params.structured_outputs is not None
+                and self.grammars.begin_drafts(row.request_id, row.num_output, row.grammar_tail)]
+
+    def _mask_grammar(self, logits: torch.Tensor, batch: DraftBatch, active: list[int], constrained: list[int]) -> list[int]:
+        """In place: -inf outside the grammar for the active rows it still holds (a TLI draft: the
+        target's allowed tokens, mapped into the draft's vocabulary); returns those rows' indexes in
+        `active`. A row with no allowed draft token drafts unmasked (the verifier rejects what the
+        grammar refuses)."""
+        if not constrained:
+            return []
+        keep = set(constrained)
+        at = [i for i, b in enumerate(active) if b in keep and self.grammars.drafting(batch.sampling[b].request_id)]
+        if not at:
+            return []
+        allowed = self.grammars.next_masks([batch.sampling[active[i]].request_id for i in at])
+        if self.mapping is not None:
+            allowed = allowed[:, self.mapping.draft_to_target.clamp(min=0)] & self.mapping.draft_mask
+        allowed = allowed.to(logits.device)
+        some = allowed.any(-1).tolist()
+        rows = [i for i, ok in zip(at, some) if ok]
+        if rows:
+            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            logits[index] = logits[index].masked_fill_(~allowed[torch.tensor(some, device=logits.device)], float("-inf"))
+        return rows
+
+    def _push_grammar(self, batch: DraftBatch, drafts: torch.Tensor, active: list[int], masked: list[int], step: int) -> None:
+        """The grammar states of the masked rows consume this step's drafts (in the target's tokens)."""
+        if not masked:
+            return
+        rows = [active[i] for i in masked]
+        tokens = drafts[torch.tensor(rows, device=drafts.device), step]
+        if self.mapping is not None:
+            tokens = self.draft_to_target[tokens]
+        for b, token in zip(rows, tokens.tolist()):
+            self.grammars.push_draft(batch.sampling[b].request_id, token)
 
     def _allowed(self, logits: torch.Tensor, rows, firsts: list[int], counts: list[int], offset: int) -> torch.Tensor:
         """In place: -inf outside the intersection (TLI) and for tokens held back before min_tokens."""

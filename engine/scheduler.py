@@ -41,6 +41,7 @@ class Sequence:
     seq_id: int = 0  # unique among the engine's sequences: names its rows in a step's batches
     cache_salt: str | None = None  # requests with different salts never share a cached block
     grammar: str | None = None  # structured outputs: the compiled grammar its output is held to
+    draft_grammar_at: int = 0  # output tokens the draft group's grammar state has been sent
     output_ids: list[int] = field(default_factory=list)
     target: SeqCache = field(default_factory=SeqCache)  # its blocks and computed tokens in the target's cache
     draft_ids: list[int] = field(default_factory=list)  # the draft's view of prompt+output
@@ -260,8 +261,11 @@ class Scheduler:
             tables=[s.target.blocks for s in rows],
             ahead_counts=[len(blk) if blk else 0 for blk in blocks],
         )
-        # the draft proposes unpenalized (any q keeps verification exact): no histories
-        draft_sampling = [replace(x, prompt_ids=(), output_ids=()) for x in sampling]
+        # the draft proposes unpenalized (any q keeps verification exact): no histories; a grammar's
+        # state there learns the output tokens it hasn't seen
+        draft_sampling = [replace(x, prompt_ids=(), output_ids=(),
+                                  grammar_tail=tuple(s.output_ids[s.draft_grammar_at:]) if s.grammar else ())
+                          for x, s in zip(sampling, rows)]
         drafting = [b for b, k in enumerate(ks) if k > 0 and not blocks[b]]
         for b in drafting:  # a fresh draft feeds at least the last committed token
             rows[b].draft.computed = min(rows[b].draft.computed, len(rows[b].draft_ids) - 1)
@@ -288,6 +292,8 @@ class Scheduler:
                 self._fail(seq, result.errors[b])
                 continue
             k = ks[b]
+            if b in drafting and seq.grammar is not None:
+                seq.draft_grammar_at = len(seq.output_ids)
             new, accepted = result.tokens[b], result.num_accepted[b]
             seq.stats.observe(k, accepted)
             seq.acceptance.observe(k, accepted)
@@ -552,6 +558,7 @@ class Scheduler:
         grammar = None if seq.grammar is None else \
             RequestGrammar(seq.grammar, tuple(seq.output_ids), tuple(seq.params.stop_token_ids))
         self.executor.add_request(seq.request_id, seq.seed, draft=seq.drafts, grammar=grammar)
+        seq.draft_grammar_at = len(seq.output_ids)
         seq.started = True
         if seq.drafts and self.vocab_mapping is not None:  # the draft reads the text in its tokens
             seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)

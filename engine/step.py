@@ -42,8 +42,10 @@ class RowSampling:
     # With penalties: the tokens they count (the prompt's only for repetition_penalty), else empty.
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
-    # with structured outputs: the output tokens committed so far (the grammar state stands there)
+    # with structured outputs: the output tokens committed so far (the grammar state stands there),
+    # and for the draft the last of them, which its grammar state may not have seen yet
     num_output: int = 0
+    grammar_tail: tuple[int, ...] = ()
 
 
 @dataclass
