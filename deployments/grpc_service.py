@@ -66,7 +66,22 @@ def request_body(request: pb.GenerateRequest) -> tuple[str, dict]:
         body["prompt_logprobs"] = request.prompt_logprobs
     if request.HasField("cache_salt"):
         body["cache_salt"] = request.cache_salt
+    if request.HasField("structured_outputs"):
+        body["structured_outputs"] = structured_outputs(request.structured_outputs)
     return kind, body
+
+
+def structured_outputs(so: pb.StructuredOutputs) -> dict:
+    """The message as the request layer's structured_outputs field (vLLM's StructuredOutputsParams)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise RequestError(400, "structured_outputs: set one of json_schema, regex, choice, grammar, json_object",
+                           param="structured_outputs")
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    out: dict = {"json" if kind == "json_schema" else kind: value}
+    if so.disable_any_whitespace:
+        out["disable_any_whitespace"] = True
+    return out
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> list[pb.TokenLogprob]:

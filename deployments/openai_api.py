@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.app import ServeArgs
 from deployments.lingering import RequestBody, drain_limit
 from deployments.metrics_export import metrics_text
-from deployments.requests import (PreparedRequest, RequestError, RequestLayer, collect, delta_error,
-                                  key_matches)
+from deployments.requests import (PreparedRequest, RequestError, RequestLayer, ToolCalls, collect, delta_error,
+                                  key_matches, parse_tool_calls, tool_call_id)
 from deployments.logprobs import LogprobFormatter
 from engine.async_engine import AsyncEngine, RequestDelta, RequestStream
 
@@ -271,11 +271,17 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
 
     async def respond_chat(prepared: PreparedRequest, streams: list[RequestStream]) -> Response:
         rid, now = prepared.request_id, int(time.time())
+        tools = {c.index: ToolCallStream(prepared.tool_calls) for c in prepared.choices} if prepared.tool_calls else {}
 
-        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-            delta = {"content": text} if text or finish is None else {}
+        def event(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict | list[dict]:
+            if index in tools:
+                return [event(index, delta, f, lp) for delta, f, lp in tools[index].feed(text, finish, logprobs)]
+            delta = {"content": text} if text or finish is None else {}
+            return event(index, delta, finish, logprobs)
 
         def logprobs_of(k: int, delta: RequestDelta | None, echo: bool = False) -> dict | None:
             if echo or prepared.choices[k].params.logprobs is None or not delta.token_ids:
@@ -285,10 +291,16 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
         if prepared.stream:
             return await sse(prepared, streams, chunk, "chat.completion.chunk", now, logprobs_of, role_chunk=True)
         results = await gather_all(streams)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": r.text},
-                    "logprobs": fmt.chat(r.token_ids, r.logprobs or []) if c.params.logprobs is not None else None,
-                    "finish_reason": openai_finish(r.last.finish_reason)}
-                   for c, r in zip(prepared.choices, results)]
+        choices = []
+        for c, r in zip(prepared.choices, results):
+            message, finish = {"role": "assistant", "content": r.text}, openai_finish(r.last.finish_reason)
+            calls = tool_calls_of(prepared.tool_calls, r.text, r.last.finish_reason)
+            if calls is not None:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": fmt.chat(r.token_ids, r.logprobs or []) if c.params.logprobs is not None
+                            else None,
+                            "finish_reason": finish})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now, "model": model_name,
                              "choices": choices, "usage": usage(prepared, results)},
                             headers={REQUEST_ID_HEADER: rid})
@@ -330,9 +342,9 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
         try:
             if role_chunk:
                 for c in prepared.choices:
-                    first = chunk(c.index, "", None)
-                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                    yield first
+                    yield {"id": prepared.request_id, "object": obj, "created": now, "model": model_name,
+                           "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
             for k, c in enumerate(prepared.choices):
                 if c.echo:
                     yield chunk(c.index, c.echo, None, logprobs_of(k, firsts[k], echo=True))
@@ -348,8 +360,10 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
                     yield delta_error(delta).body(prepared.request_id)
                     continue
                 if delta.text or delta.token_ids or delta.finish_reason:
-                    yield chunk(prepared.choices[k].index, delta.text, openai_finish(delta.finish_reason),
+                    out = chunk(prepared.choices[k].index, delta.text, openai_finish(delta.finish_reason),
                                 logprobs_of(k, delta))
+                    for event in out if isinstance(out, list) else (out,):
+                        yield event
             if prepared.include_usage:
                 yield {"id": prepared.request_id, "object": obj, "created": now, "model": model_name,
                        "choices": [], "usage": usage_counts(prepared.prompt_tokens, completion_tokens)}
@@ -361,6 +375,50 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
                 t.cancel()
 
     return app
+
+
+def tool_calls_of(mode: ToolCalls | None, text: str, finish: str | None) -> list[dict] | None:
+    """A finished choice's tool calls; None when it has none (no tools asked for, or cut short: then
+    its text is the answer's content)."""
+    if mode is None or finish != "stop":
+        return None
+    return parse_tool_calls(mode, text)
+
+
+class ToolCallStream:
+    """One streamed choice's text as OpenAI streams tool calls. A named function's arguments stream
+    as they come (the call's id and name first); 'required' calls come whole once the array is
+    complete. A choice cut short (length) ends with its text as content."""
+
+    def __init__(self, mode: ToolCalls):
+        self.mode, self.text, self.started = mode, "", False
+
+    def feed(self, text: str, finish: str | None, logprobs: dict | None) -> list[tuple[dict, str | None, dict | None]]:
+        """(delta, finish_reason, logprobs) for each chunk to send."""
+        self.text += text
+        out: list[tuple[dict, str | None, dict | None]] = []
+        if self.mode.kind == "named":
+            if not self.started:
+                self.started = True
+                out.append(({"tool_calls": [{"index": 0, "id": tool_call_id(), "type": "function",
+                                             "function": {"name": self.mode.name, "arguments": ""}}]}, None, None))
+            if text or logprobs is not None:
+                out.append(({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {},
+                            None, logprobs))
+            if finish is not None:
+                calls = tool_calls_of(self.mode, self.text, finish)
+                out.append(({}, "tool_calls" if calls is not None else finish, None))
+            return out
+        if logprobs is not None:  # 'required': the text is held back until the array is whole
+            out.append(({}, None, logprobs))
+        if finish is not None:
+            calls = tool_calls_of(self.mode, self.text, finish)
+            if calls is None:
+                out.append(({"content": self.text} if self.text else {}, finish, None))
+            else:
+                out.append(({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, None, None))
+                out.append(({}, "tool_calls", None))
+        return out
 
 
 async def gather_all(streams: list[RequestStream]):

@@ -10,11 +10,13 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError, field_validator
 
 from deployments.tokenizer_info import tokenizer_info
 from engine.chat import chat_prompt_ids, end_of_turn_ids
@@ -22,6 +24,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Re
 from engine.config import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.core import TokenizedPrompt
 from engine.errors import INTERNAL_ERROR
+from engine.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,12 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 64  # prompts in one completion call (each times n is a request)
 MAX_JSON_DEPTH = 32
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# Tool calls' JSON may have at most one space between its tokens: `{"a": 1}` and `{"a":1}` both, but
+# not the unbounded whitespace a JSON grammar otherwise allows, where a weak model can spend its whole
+# budget (arguments are read by programs, not people).
+TOOL_CALL_WHITESPACE = "[ ]?"
 
 
 class RequestError(Exception):
@@ -65,8 +74,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "min_p": (None, 0, 0.0),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
+    "tools": (None, []),  # chat implements tools, tool_choice and parallel_tool_calls
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -105,10 +113,12 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string: a JSON key) -> bias
     # vLLM's: requests with different salts never share a prefix-cache block (tenants apart)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # the output held to a grammar: OpenAI's response_format, or vLLM's structured_outputs (one of)
+    response_format: Any = None
+    structured_outputs: dict[str, Any] | None = None
     # not implemented: see NEUTRAL_VALUES
     best_of: Any = None
     min_p: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -116,8 +126,12 @@ class SamplingFields(BaseModel):
     parallel_tool_calls: Any = None
     use_beam_search: Any = None
 
+    implemented: ClassVar[frozenset[str]] = frozenset()  # NEUTRAL_VALUES fields this kind implements
+
     def check_unsupported(self) -> None:
         for name, neutral in NEUTRAL_VALUES.items():
+            if name in self.implemented:
+                continue
             value = getattr(self, name, None)
             if not any(value == v and type(value) is type(v) for v in neutral):
                 raise bad_request(f"'{name}' is not supported by this server; remove it (or send its default)",
@@ -127,8 +141,20 @@ class SamplingFields(BaseModel):
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
 
+    def structured(self) -> Structured | None:
+        """The grammar the request asks for (response_format or structured_outputs), or None."""
+        fmt = response_format(self.response_format)
+        if self.structured_outputs is not None:
+            if fmt is not None:
+                raise bad_request("give at most one of response_format (other than 'text') and structured_outputs",
+                                  param="structured_outputs")
+            return Structured(structured_params(self.structured_outputs, "structured_outputs"),
+                              "structured_outputs", None)
+        return fmt
+
     def sampling_params(self, max_tokens: int | None, extra_stop_ids: list[int], index: int,
-                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None = None, prompt_logprobs: int | None = None,
+                        structured: Structured | None = None) -> SamplingParams:
         seed = None if self.seed is None else self.seed + index  # n > 1: distinct, reproducible samples
         try:
             return SamplingParams(
@@ -138,7 +164,8 @@ class SamplingFields(BaseModel):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self._logit_bias(),
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured.params if structured is not None else None)
         except ValidationError as e:
             raise validation_error(e) from None
 
@@ -187,11 +214,105 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; None: no arguments
+    strict: bool | None = None  # accepted; a called tool's arguments always follow its schema here
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    class Function(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+
+    type: Literal["function"]
+    function: Function
+
+
+AUTO_TOOL_CHOICE = ("tool_choice 'auto' (OpenAI's default when tools are given) needs a model-specific "
+                    "tool-call parser, which this server does not have: send tool_choice 'required' (the "
+                    "model calls one or more of the tools), a named function ({\"type\": \"function\", "
+                    "\"function\": {\"name\": ...}}), or 'none'")
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """How a chat answer's text becomes tool calls: `named`, the arguments of the function `name`;
+    `required`, a JSON array of {"name", "parameters"} objects (vLLM's form)."""
+
+    kind: Literal["named", "required"]
+    name: str | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
+    implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None  # false: at most one call under "required"
+
+    def check_tools(self) -> None:
+        tools = self.tools or []
+        if len(tools) > MAX_TOOLS:
+            raise bad_request(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+        seen: set[str] = set()
+        for i, tool in enumerate(tools):
+            f = tool.function
+            if not TOOL_NAME.fullmatch(f.name):
+                raise bad_request(f"tools[{i}].function.name must be 1 to 64 characters of a-z, A-Z, 0-9, _ "
+                                  f"and -, got '{printable(f.name, 64)}'", param="tools")
+            if f.name in seen:
+                raise bad_request(f"tools[{i}].function.name: '{f.name}' is given twice; tool names must be "
+                                  f"unique", param="tools")
+            seen.add(f.name)
+            if f.parameters is not None and f.parameters.get("type", "object") != "object":
+                raise bad_request(f"tools[{i}].function.parameters must be the JSON schema of an object "
+                                  f"(type 'object')", param="tools")
+
+    def tool_calls(self) -> tuple[Structured | None, ToolCalls | None]:
+        """The grammar tool_choice holds the output to, and how its text becomes calls; (None, None)
+        for plain text."""
+        self.check_tools()
+        tools, choice = self.tools or [], self.tool_choice
+        if choice is None and not tools or choice == "none":
+            return None, None
+        if not tools:
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        if choice is None or choice == "auto":
+            raise bad_request(AUTO_TOOL_CHOICE, param="tool_choice")
+        if choice == "required":
+            schema = required_tools_schema(tools, self.parallel_tool_calls is False)
+            return Structured(tool_params(schema, "tools"), "tools", "tools"), ToolCalls("required")
+        if not isinstance(choice, dict):
+            raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                              "\"function\": {\"name\": ...}}", param="tool_choice")
+        try:
+            named = NamedToolChoice.model_validate(choice)
+        except ValidationError as e:
+            raise validation_error(e, "tool_choice") from None
+        index = next((i for i, t in enumerate(tools) if t.function.name == named.function.name), None)
+        if index is None:
+            raise bad_request(f"tool_choice names the function '{printable(named.function.name, 64)}', which is "
+                              f"not one of the tools", param="tool_choice")
+        label = f"tools[{index}].function.parameters"
+        schema = parameters_schema(tools[index])
+        return Structured(tool_params(schema, label), "tools", label), ToolCalls("named", named.function.name)
 
 
 class TokenizeRequest(BaseModel):
@@ -213,15 +334,144 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def validation_error(e: ValidationError) -> RequestError:
-    """pydantic's first error as one line: where, and what; never the input value."""
+def validation_error(e: ValidationError, field: str | None = None) -> RequestError:
+    """pydantic's first error as one line: where, and what; never the input value. `field`: the
+    request field the validated value came from (what `loc` is relative to)."""
     err = e.errors(include_input=False, include_url=False)[0]
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     loc = [printable(x, 64) for x in loc]
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    if field is not None and not (not loc and msg.startswith(field)):  # its own messages name it already
+        loc = [field, *loc]
     if err.get("type") == "extra_forbidden":
         return bad_request(f"unknown field '{'.'.join(loc)}'", param=loc[0] if loc else None)
-    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    return bad_request(f"{'.'.join(loc)}: {msg}" if loc else msg, param=loc[0] if loc else None)
+    param = loc[0] if loc else field
+    return bad_request(f"{'.'.join(loc)}: {msg}" if loc else msg, param=param)
+
+
+# -- structured outputs and tools ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Structured:
+    """A request's grammar, and where it came from: errors name `param` (the request field) and call
+    the grammar `label` (None: the engine's own name for it, structured_outputs.<kind>)."""
+
+    params: StructuredOutputsParams
+    param: str
+    label: str | None
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None  # OpenAI requires it; it changes nothing here
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the output always follows the schema here
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+_STRUCTURED = TypeAdapter(StructuredOutputsParams)
+
+
+def structured_params(value: Any, field: str) -> StructuredOutputsParams:
+    try:
+        return _STRUCTURED.validate_python(value)
+    except ValidationError as e:
+        raise validation_error(e, field) from None
+
+
+def response_format(value: Any) -> Structured | None:
+    """OpenAI's response_format as a grammar; None for text."""
+    if value is None:
+        return None
+    try:
+        fmt = ResponseFormat.model_validate(value)
+    except ValidationError as e:
+        raise validation_error(e, "response_format") from None
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Structured(structured_params({"json_object": True}, "response_format"), "response_format",
+                          "response_format")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise bad_request("response_format: type 'json_schema' needs json_schema: {\"name\": ..., \"schema\": "
+                          "{...}}", param="response_format")
+    return Structured(structured_params({"json": fmt.json_schema.schema_}, "response_format"), "response_format",
+                      "response_format.json_schema.schema")
+
+
+def parameters_schema(tool: Tool) -> dict:
+    return tool.function.parameters if tool.function.parameters is not None else {"type": "object", "properties": {}}
+
+
+def required_tools_schema(tools: list[Tool], single: bool) -> dict:
+    """vLLM's schema for tool_choice 'required': an array of one or more {"name", "parameters"}
+    objects, each one tool's name and arguments. Each tool's $defs move to the root, where its
+    `#/$defs/...` references point once the schema is nested."""
+    defs: dict[str, Any] = {}
+    options = []
+    for i, tool in enumerate(tools):
+        params = dict(parameters_schema(tool))
+        for key in ("$defs", "definitions"):
+            own = params.pop(key, None)
+            if own is None:
+                continue
+            if not isinstance(own, dict):
+                raise bad_request(f"tools[{i}].function.parameters.{key} must be an object", param="tools")
+            for name, definition in own.items():
+                if defs.setdefault(key, {}).setdefault(name, definition) != definition:
+                    raise bad_request(f"tools[{i}].function.parameters.{key}: '{printable(name, 64)}' is defined "
+                                      f"differently by another tool; with tool_choice 'required' the tools' "
+                                      f"definitions share one namespace", param="tools")
+        options.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                       "parameters": params},
+                        "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+    if single:
+        schema["maxItems"] = 1
+    schema.update(defs)
+    return schema
+
+
+def tool_params(schema: dict, label: str) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema, whitespace_pattern=TOOL_CALL_WHITESPACE)
+    except ValidationError as e:
+        raise bad_request(f"{label}: not a JSON schema ({e.errors()[0].get('msg', 'invalid')})", param="tools") from None
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_tool_calls(mode: ToolCalls, text: str) -> list[dict] | None:
+    """A finished answer's calls, as OpenAI's message.tool_calls; None if the text isn't calls (cut
+    short: a stop string, an abort). Named: the text itself is the arguments."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if mode.kind == "named":
+        return [tool_call(mode.name, text)] if isinstance(value, dict) else None
+    if not isinstance(value, list) or not value:
+        return None
+    calls = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
+            return None
+        calls.append(tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+    return calls
 
 
 def parse_json(raw: bytes) -> dict:
@@ -278,6 +528,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None = None
+    tool_calls: ToolCalls | None = None  # chat with tool_choice 'required' or named: the text is calls
 
     @property
     def prompt_tokens(self) -> int:
@@ -313,11 +564,12 @@ class RequestLayer:
         req.check_unsupported()
         self.check_model(req.model)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        tool_calls = None
         if kind == "completion":
             choices = self._completion_choices(req)
         else:
-            choices = self._chat_choices(req)
-        return PreparedRequest(request_id, kind, choices, req.stream, include_usage, req.cache_salt)
+            choices, tool_calls = self._chat_choices(req)
+        return PreparedRequest(request_id, kind, choices, req.stream, include_usage, req.cache_salt, tool_calls)
 
     async def tokenize_async(self, body: bytes) -> dict:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenize, body)
@@ -391,29 +643,38 @@ class RequestLayer:
             prompts = list(p)
         if len(prompts) > MAX_PROMPTS:
             raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
+        structured = req.structured()
         choices = []
         for i, prompt in enumerate(prompts):
             tokenized = self._tokenize(prompt)
             prompt_logprobs = req.prompt_logprobs
             if prompt_logprobs is None and req.echo and req.logprobs is not None:
                 prompt_logprobs = req.logprobs
-            params = [req.sampling_params(req.max_tokens, [], j, req.logprobs, prompt_logprobs) for j in range(req.n)]
+            params = [req.sampling_params(req.max_tokens, [], j, req.logprobs, prompt_logprobs, structured)
+                      for j in range(req.n)]
             for p in params:
-                self._check(tokenized, p)
+                self._check(tokenized, p, structured)
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(tokenized.ids)) if req.echo else ""
             choices.extend(Choice(i * req.n + j, tokenized, p, echo) for j, p in enumerate(params))
         return choices
 
-    def _chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
+    def _chat_choices(self, req: ChatCompletionRequest) -> tuple[list[Choice], ToolCalls | None]:
         if len(req.messages) >= self.engine.max_model_len:  # each message costs at least one token
             raise bad_request(f"messages: {len(req.messages)} messages cannot fit in this model's maximum "
                               f"context length of {self.engine.max_model_len} tokens", param="messages")
+        structured, tool_calls = req.tool_calls()
+        requested = req.structured()
+        if structured is not None and requested is not None:
+            raise bad_request(f"tool_choice '{'required' if tool_calls.kind == 'required' else 'function'}' holds "
+                              f"the output to the tools' schemas; it cannot be combined with {requested.param}",
+                              param=requested.param)
+        structured = structured or requested
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         if not all(_valid_unicode(m["content"]) for m in messages):
             raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
         self._check_text_bytes(sum(len(m["content"].encode("utf-8")) for m in messages))
         try:
-            ids = chat_prompt_ids(self.tokenizer, messages)
+            ids = self._chat_ids(messages, [t.model_dump(exclude_none=True) for t in req.tools or []])
         except ValueError as e:
             log.info("chat template failed: %s", e)
             raise bad_request("messages could not be formatted with the model's chat template",
@@ -425,10 +686,24 @@ class RequestLayer:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = []
         for j in range(req.n):
-            params = req.sampling_params(max_tokens, self.turn_end_ids, j, logprobs)
-            self._check(prompt, params)
+            params = req.sampling_params(max_tokens, self.turn_end_ids, j, logprobs, structured=structured)
+            self._check(prompt, params, structured)
             choices.append(Choice(j, prompt, params))
-        return choices
+        return choices, tool_calls
+
+    def _chat_ids(self, messages: list[dict[str, str]], tools: list[dict]) -> list[int]:
+        """The chat prompt, with the tools given to the template (which may render them or not)."""
+        if not tools:
+            return chat_prompt_ids(self.tokenizer, messages)
+        # engine/chat.py's chat_prompt_ids, with tools= (transformers passes them to the template)
+        messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+                    for m in messages]
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                        tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+            raise ValueError(f"messages could not be formatted with the model's chat template: {e}") from None
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def _tokenize(self, prompt: str | list[int]) -> TokenizedPrompt:
         if isinstance(prompt, str):
@@ -448,13 +723,18 @@ class RequestLayer:
                               f"{n_bytes} bytes, more than any {limit} tokens can hold. Please reduce the "
                               f"length of the input.", param="prompt")
 
-    def _check(self, prompt: TokenizedPrompt, params: SamplingParams) -> None:
+    def _check(self, prompt: TokenizedPrompt, params: SamplingParams, structured: Structured | None = None) -> None:
         if not all(_valid_unicode(s) for s in params.stop):
             raise bad_request("stop strings must be valid Unicode (no lone surrogates)", param="stop")
         try:
             self.engine.core.scheduler.check_request(prompt.ids, params)
         except ValueError as e:
             message = str(e)
+            if structured is not None and message.startswith("structured_outputs"):
+                # the grammar did not compile: named as the client gave it
+                if structured.label is not None:
+                    message = structured.label + message[message.find(":"):]
+                raise bad_request(printable(message, 600), param=structured.param) from None
             param = next((p for p in ("max_tokens", "stop_token_ids") if message.lstrip("'").startswith(p)), "prompt")
             raise bad_request(message, param=param) from None
 

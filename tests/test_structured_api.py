@@ -1,0 +1,386 @@
+"""Structured outputs and tool calls over HTTP (the official openai client) and gRPC, against a real
+server (Ray Serve on 127.0.0.1, its own free ports): response_format, vLLM's structured_outputs,
+tool_choice 'required' and named, and the errors of each. The tiny random model's text is random,
+but held to the grammar, which is what these tests check."""
+import asyncio
+import json
+import re
+import time
+
+import grpc
+import httpx
+import jsonschema
+import openai
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import build_app
+from servers import free_port, owned_by_session
+from tandem_proto import tandem_pb2 as pb
+from tandem_proto import tandem_pb2_grpc
+
+TARGET, DRAFT = "random:tiny-llama-json:1", "random:tiny-llama-json:2"
+M = "structured-suite"
+MAX_MODEL_LEN = 1024
+INTERNALS = re.compile(r"Traceback|File \"|\.py\b|site-packages|/root|/tmp/|/home/|RayTaskError")
+MSG = [{"role": "user", "content": "give me json"}]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"type": "string", "enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+@pytest.fixture(scope="module")
+def server():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    port, grpc_port = free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model": TARGET, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
+                         "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3},
+                         "served_model_name": M, "grpc_port": grpc_port}),
+              name="structured", route_prefix="/")
+    assert owned_by_session(port) and owned_by_session(grpc_port)  # our own server answers
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    yield {"base": f"http://127.0.0.1:{port}", "stub": tandem_pb2_grpc.TandemServiceStub(channel)}
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(api_key="EMPTY", base_url=f"{server['base']}/v1", max_retries=0, timeout=120)
+
+
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+def streamed_chat(client, **kw) -> tuple[str, str, list]:
+    """(content, finish_reason, chunks) of a streamed chat completion."""
+    chunks = list(client.chat.completions.create(model=M, messages=MSG, stream=True, **kw))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1, finish
+    return content, finish[0], chunks
+
+
+def bad_request(call) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    error = info.value.body
+    assert not INTERNALS.search(json.dumps(error)), error
+    return info.value
+
+
+# -- response_format and structured_outputs ---------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_json_schema_response_format(client, seed):
+    """response_format json_schema (the JSON grammar's default whitespace), streamed and not: the
+    output is JSON that validates, and streaming it gives the same text."""
+    kw = dict(response_format=json_schema_format(PERSON), temperature=1, seed=seed, max_tokens=900)
+    chat = client.chat.completions.create(model=M, messages=MSG, **kw)
+    assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+    text = chat.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    content, finish, _ = streamed_chat(client, **kw)
+    assert (content, finish) == (text, "stop")
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5, 6])
+def test_json_schema_without_whitespace(client, seed):
+    """vLLM's structured_outputs (extra_body), on chat and completions: compact JSON that validates."""
+    so = {"json": PERSON, "disable_any_whitespace": True}
+    chat = client.chat.completions.create(model=M, messages=MSG, temperature=1, seed=seed, max_tokens=200,
+                                          extra_body={"structured_outputs": so})
+    text = chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+    assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text  # no whitespace
+    done = client.completions.create(model=M, prompt="json:", temperature=1, seed=seed, max_tokens=200,
+                                     extra_body={"structured_outputs": so})
+    assert done.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done.choices[0].text), PERSON)
+
+
+def test_response_format_on_completions(client):
+    done = client.completions.create(model=M, prompt="json:", temperature=1, seed=7, max_tokens=900,
+                                     extra_body={"response_format": json_schema_format(PERSON)})
+    assert done.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done.choices[0].text), PERSON)
+
+
+def test_greedy_with_a_schema_is_reproducible(client):
+    kw = dict(model=M, messages=MSG, temperature=0, max_tokens=200,
+              extra_body={"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}})
+    first = client.chat.completions.create(**kw).choices[0].message.content
+    assert client.chat.completions.create(**kw).choices[0].message.content == first
+    jsonschema.validate(json.loads(first), PERSON)
+
+
+def test_json_object(client):
+    """Any JSON object; the random model may nest without end, so some seeds run out of tokens: those
+    that finish are objects, and at least one does."""
+    finished = 0
+    for seed in range(4):
+        chat = client.chat.completions.create(model=M, messages=MSG, temperature=1, seed=seed, max_tokens=400,
+                                              response_format={"type": "json_object"})
+        text = chat.choices[0].message.content
+        assert text.lstrip().startswith("{")
+        if chat.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+            finished += 1
+    assert finished >= 1
+
+
+def test_regex_and_choice(client):
+    pattern = r"[a-z]{3}-[0-9]{2,4}"
+    for seed in range(3):
+        chat = client.chat.completions.create(model=M, messages=MSG, temperature=1, seed=seed, max_tokens=20,
+                                              extra_body={"structured_outputs": {"regex": pattern}})
+        assert re.fullmatch(pattern, chat.choices[0].message.content), chat.choices[0].message.content
+        done = client.completions.create(model=M, prompt="x", temperature=1, seed=seed, max_tokens=20,
+                                         extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+        assert done.choices[0].text in ("red", "green", "blue") and done.choices[0].finish_reason == "stop"
+    text_format = client.chat.completions.create(model=M, messages=MSG, max_tokens=5, response_format={"type": "text"})
+    assert text_format.choices[0].finish_reason in ("stop", "length")
+
+
+def test_structured_errors(client):
+    e = bad_request(lambda: client.chat.completions.create(
+        model=M, messages=MSG, response_format=json_schema_format({"type": "strin"})))
+    assert e.body["param"] == "response_format" and "strin" in e.body["message"], e.body
+    assert e.body["message"].startswith("response_format.json_schema.schema: the grammar does not compile")
+    e = bad_request(lambda: client.chat.completions.create(
+        model=M, messages=MSG, response_format=json_schema_format({"$ref": "#/$defs/missing"})))
+    assert e.body["param"] == "response_format" and "missing" in e.body["message"], e.body
+    e = bad_request(lambda: client.chat.completions.create(model=M, messages=MSG, response_format={"type": "yaml"}))
+    assert e.body["param"] == "response_format", e.body
+    e = bad_request(lambda: client.chat.completions.create(
+        model=M, messages=MSG, response_format={"type": "json_schema"}))
+    assert e.body["param"] == "response_format", e.body
+    e = bad_request(lambda: client.completions.create(
+        model=M, prompt="x", extra_body={"structured_outputs": {"regex": "(unclosed"}}))
+    assert e.body["param"] == "structured_outputs" and "unclosed" in e.body["message"], e.body
+    e = bad_request(lambda: client.completions.create(
+        model=M, prompt="x", extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}))
+    assert e.body["param"] == "structured_outputs" and "exactly one" in e.body["message"], e.body
+    e = bad_request(lambda: client.completions.create(
+        model=M, prompt="x", extra_body={"structured_outputs": {"jsonn": {}}}))
+    assert e.body["param"] == "structured_outputs", e.body
+    e = bad_request(lambda: client.chat.completions.create(
+        model=M, messages=MSG, response_format={"type": "json_object"},
+        extra_body={"structured_outputs": {"regex": "a"}}))
+    assert e.body["param"] == "structured_outputs", e.body
+    # completions have no tools
+    e = bad_request(lambda: client.completions.create(model=M, prompt="x", extra_body={"tools": TOOLS}))
+    assert e.body["param"] == "tools", e.body
+
+
+def test_hostile_schemas_are_answered_quickly_and_others_are_served(server):
+    """Schemas that are costly to compile (a nested ambiguous pattern, a 20,000-entry enum, deep
+    nesting, a huge alternation) are answered, with a 400 or valid output, in bounded time, while a
+    normal request at the same time completes."""
+    huge_enum = {"enum": [f"v{i}" for i in range(20_000)]}
+    nested = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^((a|aa)*)*(b|ab)*((a|aa)*)*c$"}},
+              "required": ["s"]}
+    deep: dict = {"type": "string", "maxLength": 3}
+    for _ in range(12):
+        deep = {"type": "array", "items": deep, "maxItems": 1}
+    many_refs = {"$defs": {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(24)}
+                 | {"d24": {"type": "string"}}, "$ref": "#/$defs/d0"}
+    normal = {"model": M, "prompt": "the bystander", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            async def post(schema):
+                start = time.monotonic()
+                r = await http.post(f"{server['base']}/v1/chat/completions", json={
+                    "model": M, "messages": MSG, "max_tokens": 64, "temperature": 1, "seed": 0,
+                    "response_format": json_schema_format(schema)})
+                return r, time.monotonic() - start
+
+            async def bystander():
+                r = await http.post(f"{server['base']}/v1/completions", json=normal)
+                return r
+
+            return await asyncio.gather(*(post(s) for s in (huge_enum, nested, deep, many_refs)), bystander())
+
+    *hostile, by = asyncio.run(main())
+    assert by.status_code == 200 and by.json()["usage"]["completion_tokens"] == 32
+    for (r, elapsed), schema in zip(hostile, ["huge_enum", "nested", "deep", "many_refs"]):
+        assert elapsed < 60, (schema, elapsed)
+        assert r.status_code in (200, 400), (schema, r.text)
+        assert not INTERNALS.search(r.text), r.text
+        if r.status_code == 400:
+            assert r.json()["error"]["param"] == "response_format", r.text
+        elif r.json()["choices"][0]["finish_reason"] == "stop":
+            json.loads(r.json()["choices"][0]["message"]["content"])
+
+
+# -- tools ----------------------------------------------------------------------------------------
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_tool_call(client):
+    chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice=NAMED, temperature=0,
+                                          max_tokens=200)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call.id) and call.type == "function"
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+    chunks = list(client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice=NAMED,
+                                                 temperature=0, max_tokens=200, stream=True,
+                                                 stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
+    assert all(tc.index == 0 and tc.id is None for tc in calls[1:]) and len(calls) > 2  # arguments in pieces
+    arguments = "".join(tc.function.arguments or "" for tc in calls)
+    assert arguments == call.function.arguments
+    assert not any(d.content for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_named_tool_call_seeded(client):
+    for seed in range(3):
+        chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, temperature=1, seed=seed,
+                                              tool_choice={"type": "function", "function": {"name": "get_time"}})
+        (call,) = chat.choices[0].message.tool_calls
+        assert call.function.name == "get_time" and chat.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), TIME)
+
+
+def test_required_tool_calls(client):
+    """The random model may go on adding calls to the array: seeds that run out of tokens end with
+    their text as content; those that finish have valid calls, and most do."""
+    finished = 0
+    for seed in range(5):
+        kw = dict(model=M, messages=MSG, tools=TOOLS, tool_choice="required", temperature=1, seed=seed,
+                  max_tokens=400)
+        chat = client.chat.completions.create(**kw)
+        choice = chat.choices[0]
+        if choice.finish_reason == "length":
+            assert choice.message.content.startswith("[") and not choice.message.tool_calls
+            continue
+        finished += 1
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        assert choice.message.tool_calls and choice.message.content is None
+        for call in choice.message.tool_calls:
+            assert call.function.name in SCHEMAS and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        ids = [c.id for c in choice.message.tool_calls]
+        assert len(set(ids)) == len(ids)
+        # streamed: the same calls (the same seed), whole, then finish_reason tool_calls
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == \
+            [(i, c.function.name, c.function.arguments) for i, c in enumerate(choice.message.tool_calls)]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+            ["tool_calls"]
+    assert finished >= 3
+
+
+def test_required_single_call(client):
+    for seed in range(3):
+        chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, temperature=1, seed=seed, max_tokens=400)
+        assert len(chat.choices[0].message.tool_calls) == 1
+
+
+def test_tool_call_cut_short_is_content(client):
+    chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice="required",
+                                          temperature=0, max_tokens=5)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content.startswith("[")
+    content, finish, _ = streamed_chat(client, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=5)
+    assert (content, finish) == (choice.message.content, "length")
+
+
+def test_tool_choice_none_is_plain_text(client):
+    chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert chat.choices[0].message.tool_calls is None and chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tool_errors(client):
+    e = bad_request(lambda: client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice="auto"))
+    assert e.body["param"] == "tool_choice" and "auto" in e.body["message"] and "required" in e.body["message"]
+    e = bad_request(lambda: client.chat.completions.create(model=M, messages=MSG, tools=TOOLS))  # auto by default
+    assert e.body["param"] == "tool_choice" and "default" in e.body["message"]
+    e = bad_request(lambda: client.chat.completions.create(
+        model=M, messages=MSG, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}))
+    assert e.body["param"] == "tool_choice" and "nope" in e.body["message"]
+    e = bad_request(lambda: client.chat.completions.create(model=M, messages=MSG, tool_choice="required"))
+    assert e.body["param"] == "tool_choice"
+    e = bad_request(lambda: client.chat.completions.create(
+        model=M, messages=MSG, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}))
+    assert e.body["param"] == "response_format"
+
+    def tools_error(tools, tool_choice="required"):
+        e = bad_request(lambda: client.chat.completions.create(model=M, messages=MSG, tools=tools,
+                                                               tool_choice=tool_choice))
+        assert e.body["param"] == "tools", e.body
+        return e.body["message"]
+
+    fn = TOOLS[0]["function"]
+    assert "unique" in tools_error([TOOLS[0], TOOLS[0]])
+    assert "name" in tools_error([{"type": "function", "function": {**fn, "name": "has space"}}])
+    assert "name" in tools_error([{"type": "function", "function": {**fn, "name": "x" * 65}}])
+    assert "128" in tools_error([{"type": "function", "function": {**fn, "name": f"f{i}"}} for i in range(129)])
+    assert "object" in tools_error([{"type": "function", "function": {**fn, "parameters": {"type": "string"}}}])
+    tools_error([{"type": "retrieval"}])
+    tools_error([{"type": "function", "function": {"description": "no name"}}])
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "strin"}}}}}]
+    assert "strin" in tools_error(bad)
+    assert tools_error(bad, {"type": "function", "function": {"name": "f"}}).startswith(
+        "tools[0].function.parameters: the grammar does not compile")
+
+
+# -- gRPC -----------------------------------------------------------------------------------------
+
+def test_grpc_structured_outputs(server):
+    stub = server["stub"]
+    so = pb.StructuredOutputs(json_schema=json.dumps(PERSON), disable_any_whitespace=True)
+    r = stub.Generate(pb.GenerateRequest(model=M, prompt="json:", max_tokens=200, temperature=1, seed=1,
+                                         structured_outputs=so), timeout=120)
+    assert r.finish_reason == "stop"
+    jsonschema.validate(json.loads(r.text), PERSON)
+    text = "".join(m.text for m in stub.GenerateStream(pb.GenerateRequest(
+        model=M, messages=[pb.ChatMessage(role="user", content="hi")], max_tokens=20, temperature=1, seed=2,
+        structured_outputs=pb.StructuredOutputs(choice=pb.ChoiceList(choices=["yes", "no"]))), timeout=120))
+    assert text in ("yes", "no")
+    r = stub.Generate(pb.GenerateRequest(model=M, prompt="x", max_tokens=20,
+                                         structured_outputs=pb.StructuredOutputs(regex="[0-9]{4}")), timeout=120)
+    assert re.fullmatch("[0-9]{4}", r.text)
+    for bad in (pb.StructuredOutputs(json_schema='{"type": "strin"}'), pb.StructuredOutputs(regex="(unclosed"),
+                pb.StructuredOutputs(json_schema="{not json"), pb.StructuredOutputs()):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(pb.GenerateRequest(model=M, prompt="x", structured_outputs=bad), timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_outputs" in info.value.details() and not INTERNALS.search(info.value.details())
