@@ -98,7 +98,7 @@ class GrammarMasks:
         for i, (request_id, committed, drafts) in enumerate(rows):
             state = self._matchers.get(request_id)
             if state is None or not self._sync(state, committed):
-                errors[i] = GRAMMAR_FAILED
+                errors[i] = _failure(state)
             elif drafts:
                 drafted.append((state.matcher, at, list(drafts)))
             else:
@@ -187,6 +187,14 @@ class GrammarMasks:
             consumed = state.matcher.try_consume_tokens(missing)
             state.consumed += consumed
         return state.consumed == committed
+
+
+def _failure(state: _Matcher | None) -> str:
+    from engine.structured import matcher_error
+
+    if state is not None and state.matcher.is_error():  # e.g. a step past the grammar's limits
+        return f"{GRAMMAR_FAILED}: {matcher_error(state.matcher.get_error())}"
+    return GRAMMAR_FAILED
 
 
 def unpack(bitmask: Tensor, tokens: int, vocab: int) -> Tensor:

@@ -142,12 +142,20 @@ def ll_tokenizer(hf_tokenizer, eos_ids: set[int] | list[int]):
 
 class _TokenTexts:
     """A tokenizer as llguidance's TokenizerWrapper reads one: every token's bytes and an encoder.
-    Exact for tokenizers whose tokens decode alone (character- and word-level ones)."""
+    A token's text is what it adds after another token (decoders drop a word marker's space at the
+    start of a text). Exact for tokenizers whose tokens decode whole (character and word level)."""
 
     def __init__(self, hf_tokenizer):
         self.eos_token_id, self.bos_token_id = hf_tokenizer.eos_token_id, hf_tokenizer.bos_token_id
-        self.special_token_ids = list(hf_tokenizer.all_special_ids)
-        self.tokens = [hf_tokenizer.decode([i]).encode("utf-8") for i in range(len(hf_tokenizer))]
+        specials = set(hf_tokenizer.all_special_ids)
+        self.special_token_ids = sorted(specials)
+        anchor = next(i for i in range(len(hf_tokenizer)) if i not in specials)
+        prefix = hf_tokenizer.decode([anchor])
+        self.tokens = []
+        for i in range(len(hf_tokenizer)):
+            text = hf_tokenizer.decode([anchor, i]) if i not in specials else None
+            text = text[len(prefix):] if text is not None and text.startswith(prefix) else hf_tokenizer.decode([i])
+            self.tokens.append(text.encode("utf-8"))
         self._encode = hf_tokenizer.encode
 
     def __call__(self, text: str) -> list[int]:
@@ -183,13 +191,21 @@ class GrammarCompiler:
         matcher.compute_bitmask()
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{_kind(params)}: the grammar does not compile: "
-                             f"{_short(matcher.get_error())}")
+                             f"{matcher_error(matcher.get_error())}")
         log.debug("grammar compiled in %.1f ms", 1e3 * (time.perf_counter() - start))
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > COMPILED_CACHE:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def matcher_error(message: str) -> str:
+    """llguidance's error without its parser-state dump."""
+    head = message.split("<state>")[0].strip()
+    if head.startswith("NoExtension"):
+        return "no token of this model's vocabulary can begin an output it allows"
+    return _short(head or message)
 
 
 def _kind(params: StructuredOutputsParams) -> str:

@@ -23,8 +23,10 @@ def chi_squared_pvalue(samples: list[int], expected_probs: np.ndarray) -> float:
 
 
 def exact_first_two(llm, prompt_ids: list[int], temperature: float, top_p: float = 1.0,
-                    top_k: int = -1) -> tuple[np.ndarray, np.ndarray]:
-    """P(t1) and P(t2) = sum over t1 of P(t1) P(t2 | t1), computed from the target model directly."""
+                    top_k: int = -1, allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """P(t1) and P(t2) = sum over t1 of P(t1) P(t2 | t1), computed from the target model directly;
+    with `allowed` (bool [V] for t1, [V] for t2), the distributions masked to them (a grammar's)."""
     from engine.kv_cache import KVCache
     from engine.sampling import probs_from_logits
 
@@ -37,6 +39,9 @@ def exact_first_two(llm, prompt_ids: list[int], temperature: float, top_p: float
         rows = torch.tensor([prompt_ids + [t] for t in range(V)])  # every possible t1, one row each
         tables = torch.arange(1, V * per_row + 1).view(V, per_row)
         logits = model(rows, torch.arange(n + 1)[None].expand(V, -1), cache, tables)
+    if allowed is not None:
+        logits[:, n - 1] = logits[:, n - 1].masked_fill(~allowed[0], float("-inf"))
+        logits[:, -1] = logits[:, -1].masked_fill(~allowed[1], float("-inf"))
     p1 = probs_from_logits(logits[0, n - 1 : n], temperature, top_k, top_p)[0]
     p2_given = probs_from_logits(logits[:, -1], temperature, top_k, top_p)  # [V(t1), V(t2)]
     return p1.numpy(), (p1[:, None] * p2_given).sum(0).numpy()
