@@ -312,11 +312,27 @@ def test_required_tool_calls(client):
     assert finished == 2
 
 
+# a tool whose parameters refer to their own $defs: under 'required' they move to the schema's root
+DEFS = {"type": "object", "$defs": {"unit": {"type": "string", "enum": ["c", "f"]}},
+        "properties": {"unit": {"$ref": "#/$defs/unit"}}, "required": ["unit"], "additionalProperties": False}
+
+
 def test_required_single_call(client):
+    tools = [*TOOLS, {"type": "function", "function": {"name": "pick_unit", "parameters": DEFS}}]
+    schemas = {**SCHEMAS, "pick_unit": DEFS}
     for seed in range(3):
-        chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice="required",
+        chat = client.chat.completions.create(model=M, messages=MSG, tools=tools, tool_choice="required",
                                               parallel_tool_calls=False, temperature=1, seed=seed, max_tokens=400)
-        assert len(chat.choices[0].message.tool_calls) == 1
+        (call,) = chat.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chat = client.chat.completions.create(model=M, messages=MSG, tools=tools, temperature=1, seed=0,
+                                          tool_choice={"type": "function", "function": {"name": "pick_unit"}})
+    assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments)["unit"] in ("c", "f")
+    other = {**DEFS, "$defs": {"unit": {"type": "integer"}}}
+    e = bad_request(lambda: client.chat.completions.create(
+        model=M, messages=MSG, tool_choice="required",
+        tools=[*tools, {"type": "function", "function": {"name": "other", "parameters": other}}]))
+    assert e.body["param"] == "tools" and "unit" in e.body["message"]
 
 
 def test_tool_call_cut_short_is_content(client):
