@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from engine.config import SpeculativeConfig, parallel_drafting_token
-from engine.grammar_masks import GrammarMasks
+from engine.grammar_masks import GrammarMasks, allowed_at, apply_bitmask
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, held_back_pairs, invalid_rows, \
     mask_tokens, sample_inverse_cdf
 from engine.step import AheadBatch, DraftBatch, DraftOutput, scored_positions
@@ -172,10 +172,14 @@ class DraftModelProposer:
         at = [i for i, b in enumerate(active) if b in keep and self.grammars.drafting(batch.sampling[b].request_id)]
         if not at:
             return []
-        allowed = self.grammars.next_masks([batch.sampling[active[i]].request_id for i in at])
-        if self.mapping is not None:
-            allowed = allowed[:, self.mapping.draft_to_target.clamp(min=0)] & self.mapping.draft_mask
-        allowed = allowed.to(logits.device)
+        bitmask = self.grammars.next_masks([batch.sampling[active[i]].request_id for i in at])
+        if self.mapping is None:
+            some = (bitmask != 0).any(-1).tolist()
+            rows = [i for i, ok in zip(at, some) if ok]
+            apply_bitmask(logits, rows, bitmask[torch.tensor(some)])
+            return rows
+        # TLI: a draft token is allowed when its target token is (outside the intersection: never)
+        allowed = (allowed_at(bitmask, self.mapping.draft_to_target.clamp(min=0)) & self.mapping.draft_mask).to(logits.device)
         some = allowed.any(-1).tolist()
         rows = [i for i, ok in zip(at, some) if ok]
         if rows:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.grammar_masks import GrammarMasks, apply_masks
+from engine.grammar_masks import GrammarMasks, apply_bitmask
 from engine.rejection import block_sample, rejection_sample, synthetic_sample
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, apply_penalties, held_back_pairs, mask_tokens, \
     processed_logprobs, step_probs
@@ -98,10 +98,10 @@ class Verifier:
                       firsts: list[int]) -> dict[int, str]:
         """In place: -inf at every position of a constrained row outside its grammar (the state after
         the drafts before that position); row -> error for rows whose grammar state is lost."""
-        allowed, failed = self.grammars.masks([(batch.sampling[b].request_id, batch.sampling[b].num_output,
+        bitmask, failed = self.grammars.masks([(batch.sampling[b].request_id, batch.sampling[b].num_output,
                                                 row_drafts[b]) for b in rows])
         positions = [firsts[b] + j for b in rows for j in range(len(row_drafts[b]) + 1)]
-        apply_masks(flat, positions, allowed)
+        apply_bitmask(flat, positions, bitmask)
         return {rows[i]: message for i, message in failed.items()}
 
     def _advance_grammar(self, batch: VerifyBatch, rows: list[int], out: list[list[int]], errors: dict) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.grammar_masks import GrammarMasks, unpack
+from engine.grammar_masks import GrammarMasks, apply_bitmask, unpack
 from engine.structured import GrammarCompiler, StructuredOutputsParams
 from stats import ALPHA, chi_squared_pvalue, exact_first_two
 
@@ -55,7 +55,7 @@ def test_unpacked_mask_is_llguidances_own(json_tokenizer):
     for token in tok.encode('{"name":"ab', add_special_tokens=False) + [None]:
         bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)[None]
         reference = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) > 0
-        assert torch.equal(unpack(bits, len(tok), len(tok))[0], reference[: len(tok)])
+        assert torch.equal(unpack(bits, len(tok))[0], reference[: len(tok)])
         if token is not None:
             assert matcher.consume_token(token)
 
@@ -68,18 +68,42 @@ def test_masks_of_drafts_are_the_states_after_them(json_tokenizer):
     masks = GrammarMasks(tok, {tok.eos_token_id}, len(tok))
     masks.add("r", grammar, [])
     good = tok.encode('{"na', add_special_tokens=False)
-    allowed, errors = masks.masks([("r", 0, good)])
+    bitmask, errors = masks.masks([("r", 0, good)])
+    allowed = unpack(bitmask, len(tok))
     assert not errors and allowed.shape == (len(good) + 1, len(tok))
     for j in range(len(good) + 1):  # position j: after good[:j]; the draft there is allowed
         step = GrammarMasks(tok, {tok.eos_token_id}, len(tok))
         step.add("s", grammar, good[:j])
-        assert torch.equal(allowed[j], step.masks([("s", j, [])])[0][0])
+        assert torch.equal(allowed[j], unpack(step.masks([("s", j, [])])[0], len(tok))[0])
         if j < len(good):
             assert allowed[j, good[j]]
     refused = tok.encode('{x', add_special_tokens=False)
-    allowed, _ = masks.masks([("r", 0, refused)])
+    allowed = unpack(masks.masks([("r", 0, refused)])[0], len(tok))
     assert allowed[0, refused[0]] and not allowed[1, refused[1]] and allowed[2].all()
-    assert torch.equal(masks.masks([("r", 0, [])])[0][0], allowed[0])  # rolled back: still at the start
+    assert torch.equal(unpack(masks.masks([("r", 0, [])])[0], len(tok))[0], allowed[0])  # rolled back
+
+
+@pytest.mark.parametrize("vocab", [100, 104, 262144])
+def test_bitmask_applied_sparse_or_dense_equals_a_dense_mask(vocab):
+    """Rows that allow few tokens and rows that allow most, scattered rows, a vocabulary past the
+    bitmask's bits: the same logits as a plain masked_fill with the unpacked mask."""
+    g = torch.Generator().manual_seed(0)
+    width = (min(vocab, 100) + 31) // 32 if vocab < 1000 else vocab // 32
+    bitmask = torch.zeros(6, width, dtype=torch.int32)
+    bitmask[0, 1] = 0b1011  # a few tokens
+    bitmask[1] = -1  # everything
+    bitmask[2] = torch.randint(-2**31, 2**31 - 1, (width,), generator=g, dtype=torch.int32)  # dense mix
+    bitmask[3] = -1
+    bitmask[3, 0] = 0x7FFFFFFE  # most, with bits 0 and 31 refused
+    bitmask[5, -1] = -2**31  # only the last bit (sign)
+    logits = torch.randn(9, vocab, generator=g)
+    rows = [7, 0, 3, 5, 1, 8]
+    expected = logits.clone()
+    allowed = unpack(bitmask, vocab)
+    for i, r in enumerate(rows):
+        expected[r] = expected[r].masked_fill(~allowed[i], float("-inf"))
+    apply_bitmask(logits, rows, bitmask)
+    assert torch.equal(logits, expected)
 
 
 # -- greedy identity, every drafting mode ----------------------------------------------------------
