@@ -674,7 +674,7 @@ class RequestLayer:
             raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
         self._check_text_bytes(sum(len(m["content"].encode("utf-8")) for m in messages))
         try:
-            ids = self._chat_ids(messages, [t.model_dump(exclude_none=True) for t in req.tools or []])
+            ids = chat_prompt_ids(self.tokenizer, messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []])
         except ValueError as e:
             log.info("chat template failed: %s", e)
             raise bad_request("messages could not be formatted with the model's chat template",
@@ -690,20 +690,6 @@ class RequestLayer:
             self._check(prompt, params, structured)
             choices.append(Choice(j, prompt, params))
         return choices, tool_calls
-
-    def _chat_ids(self, messages: list[dict[str, str]], tools: list[dict]) -> list[int]:
-        """The chat prompt, with the tools given to the template (which may render them or not)."""
-        if not tools:
-            return chat_prompt_ids(self.tokenizer, messages)
-        # engine/chat.py's chat_prompt_ids, with tools= (transformers passes them to the template)
-        messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-                    for m in messages]
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                        tokenize=False)
-        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
-            raise ValueError(f"messages could not be formatted with the model's chat template: {e}") from None
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def _tokenize(self, prompt: str | list[int]) -> TokenizedPrompt:
         if isinstance(prompt, str):

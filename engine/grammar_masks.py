@@ -115,6 +115,38 @@ class GrammarMasks:
             at += len(drafts) + 1
         return bitmask, errors
 
+    def greedy_masks(self, rows: list[tuple[str, int, list[int], list[int]]]
+                     ) -> tuple[Tensor, list[tuple[int, int]], dict[int, str]]:
+        """Greedy rows: (request_id, committed, drafts, argmax at each of the k + 1 positions). Walks
+        each row's drafts while the verdict is open and returns the masks of only the positions whose
+        argmax the grammar refuses: (bitmask [M, W], their (row index, position j), row -> error)."""
+        tokenizer = self._ll()
+        width = (tokenizer.vocab_size + 31) // 32
+        masks, where, errors = [], [], {}
+        for i, (request_id, committed, drafts, best) in enumerate(rows):
+            state = self._matchers.get(request_id)
+            if state is None or not self._sync(state, committed):
+                errors[i] = _failure(state)
+                continue
+            matcher, walked = state.matcher, 0
+            for j, argmax in enumerate(best):
+                allowed = matcher.validate_tokens([argmax]) == 1
+                if not allowed:
+                    row = torch.empty(width, dtype=torch.int32)
+                    matcher.unsafe_compute_mask_ptr(row.data_ptr(), width * 4)
+                    if state.extra_end_ids and self.eos_ids:
+                        _allow_where_ending(row[None], self.eos_ids, state.extra_end_ids)
+                    masks.append(row)
+                    where.append((i, j))
+                # the next position matters only if draft j + 1 may be accepted here, and follows the grammar
+                if j == len(drafts) or (allowed and drafts[j] != argmax) or matcher.try_consume_tokens([drafts[j]]) != 1:
+                    break
+                walked += 1
+            if walked:
+                matcher.rollback(walked)
+        bitmask = torch.stack(masks) if masks else torch.empty(0, width, dtype=torch.int32)
+        return bitmask, where, errors
+
     def advance(self, request_id: str, tokens: list[int]) -> None:
         """The tokens a row emitted this step (its end token included, when it ended). One the
         grammar refuses (a stop token that ended the request) is not consumed; if the request went
@@ -146,6 +178,11 @@ class GrammarMasks:
         jobs = [(self._matchers[r].matcher, i) for i, r in enumerate(request_ids)]
         self._executor.unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), width * 4, len(request_ids))
         return bitmask
+
+    def allows(self, request_id: str, token: int) -> bool:
+        """Whether the grammar takes `token` next (nothing consumed)."""
+        state = self._matchers[request_id]
+        return state.drafting and state.matcher.validate_tokens([token]) == 1
 
     def push_draft(self, request_id: str, token: int) -> bool:
         """Consume a draft; False (nothing consumed, masks stop for this row) when the grammar refuses it."""

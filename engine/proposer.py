@@ -79,12 +79,13 @@ class DraftModelProposer:
             logits = self.worker.forward([batch.tables[b] for b in active], starts, feed, last_only=True)[:, 0]
             rows = [batch.sampling[b] for b in active]
             logits = self._allowed(logits, rows, list(range(len(active))), [1] * len(active), step)
-            masked = self._mask_grammar(logits, batch, active, constrained)
             index = torch.tensor(active, device=dev)
             if not self.probabilistic:
+                masked = self._greedy_grammar(logits, batch, active, constrained)
                 drafts[index, step] = logits.argmax(-1)
                 self._push_grammar(batch, drafts, active, masked, step)
                 continue
+            masked = self._mask_grammar(logits, batch, active, self._under_grammar(batch, active, constrained))
             q, invalid = self._distributions(logits, [params[b] for b in active])
             bad[index] |= invalid
             _, u = self.worker.draws([r.request_id for r in rows], [params[b].greedy for b in active],
@@ -161,15 +162,32 @@ class DraftModelProposer:
         return [b for b, row in enumerate(batch.sampling) if row.params.structured_outputs is not None
                 and self.grammars.begin_drafts(row.request_id, row.num_output, row.grammar_tail)]
 
-    def _mask_grammar(self, logits: torch.Tensor, batch: DraftBatch, active: list[int], constrained: list[int]) -> list[int]:
-        """In place: -inf outside the grammar for the active rows it still holds (a TLI draft: the
-        target's allowed tokens, mapped into the draft's vocabulary); returns those rows' indexes in
-        `active`. A row with no allowed draft token drafts unmasked (the verifier rejects what the
-        grammar refuses)."""
+    def _under_grammar(self, batch: DraftBatch, active: list[int], constrained: list[int]) -> list[int]:
+        """Indexes in `active` of the rows whose grammar state still follows their drafts."""
         if not constrained:
             return []
         keep = set(constrained)
-        at = [i for i, b in enumerate(active) if b in keep and self.grammars.drafting(batch.sampling[b].request_id)]
+        return [i for i, b in enumerate(active) if b in keep and self.grammars.drafting(batch.sampling[b].request_id)]
+
+    def _greedy_grammar(self, logits: torch.Tensor, batch: DraftBatch, active: list[int], constrained: list[int]) -> list[int]:
+        """Greedy drafting: the argmax stands where the grammar allows it (the masked argmax is the
+        same token); only rows whose argmax it refuses are masked. Returns the rows under a grammar."""
+        at = self._under_grammar(batch, active, constrained)
+        if not at:
+            return []
+        best = logits[torch.tensor(at, device=logits.device)].argmax(-1)
+        if self.mapping is not None:
+            best = self.draft_to_target[best]
+        refused = [i for i, token in zip(at, best.tolist())
+                   if not self.grammars.allows(batch.sampling[active[i]].request_id, token)]
+        if refused:
+            self._mask_grammar(logits, batch, active, refused)
+        return at
+
+    def _mask_grammar(self, logits: torch.Tensor, batch: DraftBatch, active: list[int], at: list[int]) -> list[int]:
+        """In place: -inf outside the grammar for rows `at` (indexes in `active`; a TLI draft: the
+        target's allowed tokens, mapped into the draft's vocabulary); returns the rows masked. A row
+        with no allowed draft token drafts unmasked (the verifier rejects what the grammar refuses)."""
         if not at:
             return []
         bitmask = self.grammars.next_masks([batch.sampling[active[i]].request_id for i in at])

@@ -188,7 +188,10 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{_kind(params)}: the grammar does not compile: {_short(messages[0])}")
         # the lexer is built lazily: a first mask proves that the grammar's first step fits its limits
         matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
-        matcher.compute_bitmask()
+        first = matcher.compute_bitmask()
+        if not matcher.is_error() and not any(first):
+            raise ValueError(f"structured_outputs.{_kind(params)}: no token of this model's vocabulary can begin "
+                             f"an output the grammar allows")
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{_kind(params)}: the grammar does not compile: "
                              f"{matcher_error(matcher.get_error())}")

@@ -35,11 +35,12 @@ class Verifier:
         V = logits.shape[2]
         # row b's k_b + 1 verified positions, flat: vLLM's [num_draft_tokens + B, V]
         flat, firsts = scored_positions(logits, batch.pending, [k + 1 for k in counts])
-        constrained = [b for b in range(B) if batch.sampling[b].params.structured_outputs is not None]
-        grammar_errors = self._mask_grammar(flat, batch, constrained, row_drafts, firsts) if constrained else {}
         flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]), inplace=True)
         params = [row.params for row in batch.sampling]
         apply_penalties(flat, batch.sampling, firsts, [k + 1 for k in counts], row_drafts)
+        # after the penalties, which leave -inf at -inf: the same logits as masking first
+        constrained = [b for b in range(B) if batch.sampling[b].params.structured_outputs is not None]
+        grammar_errors = self._mask_grammar(flat, batch, constrained, row_drafts, firsts) if constrained else {}
         # rows that report log-probabilities: their positions, kept before sampling overwrites flat
         lp_rows = [b for b in range(B) if params[b].logprobs is not None]
         if not any(counts) and not lp_rows and self.method != "synthetic" and all(x.greedy for x in params):
@@ -97,12 +98,34 @@ class Verifier:
     def _mask_grammar(self, flat: torch.Tensor, batch: VerifyBatch, rows: list[int], row_drafts: list[list[int]],
                       firsts: list[int]) -> dict[int, str]:
         """In place: -inf at every position of a constrained row outside its grammar (the state after
-        the drafts before that position); row -> error for rows whose grammar state is lost."""
-        bitmask, failed = self.grammars.masks([(batch.sampling[b].request_id, batch.sampling[b].num_output,
-                                                row_drafts[b]) for b in rows])
-        positions = [firsts[b] + j for b in rows for j in range(len(row_drafts[b]) + 1)]
-        apply_bitmask(flat, positions, bitmask)
-        return {rows[i]: message for i, message in failed.items()}
+        the drafts before that position); row -> error for rows whose grammar state is lost.
+
+        A greedy row (without log-probabilities) needs a mask only where the grammar refuses its
+        argmax: elsewhere the masked argmax is the same token. Its positions are walked along its
+        drafts until the verdict is known (a draft that differs from an allowed argmax is rejected
+        there: what follows is never emitted), and only the refused ones are masked."""
+        lazy = [b for b in rows if batch.sampling[b].params.greedy and batch.sampling[b].params.logprobs is None
+                and self.method != "synthetic"]
+        full = [b for b in rows if b not in set(lazy)]
+        errors = {}
+        if lazy:
+            index = [firsts[b] + j for b in lazy for j in range(len(row_drafts[b]) + 1)]
+            best = flat.argmax(-1)[torch.tensor(index, dtype=torch.long, device=flat.device)].tolist()
+            at, rows_best = 0, []
+            for b in lazy:
+                rows_best.append(best[at: at + len(row_drafts[b]) + 1])
+                at += len(row_drafts[b]) + 1
+            bitmask, refused, failed = self.grammars.greedy_masks(
+                [(batch.sampling[b].request_id, batch.sampling[b].num_output, row_drafts[b], u)
+                 for b, u in zip(lazy, rows_best)])
+            apply_bitmask(flat, [firsts[lazy[i]] + j for i, j in refused], bitmask)
+            errors.update({lazy[i]: message for i, message in failed.items()})
+        if full:
+            bitmask, failed = self.grammars.masks([(batch.sampling[b].request_id, batch.sampling[b].num_output,
+                                                    row_drafts[b]) for b in full])
+            apply_bitmask(flat, [firsts[b] + j for b in full for j in range(len(row_drafts[b]) + 1)], bitmask)
+            errors.update({full[i]: message for i, message in failed.items()})
+        return errors
 
     def _advance_grammar(self, batch: VerifyBatch, rows: list[int], out: list[list[int]], errors: dict) -> None:
         for b in rows:
