@@ -6,7 +6,8 @@ target, SmolLM2-135M draft through TLI, K = 3), in one process, in one run:
 For each batch size, for each of plain Gemma and the pair, with and without a JSON schema, the same
 prompts, greedy (and
 under the schema at temperature 0.7, seed 0):
-- output tok/s (all rows together) and speculation's speedup over plain decoding, with and without the schema;
+- output tok/s (all rows together) and speculation's speedup over plain decoding, with and without the
+  schema, at fixed K = 3 and with the default app's adaptive K;
 - the acceptance rate and mean acceptance length;
 - the grammar's share of the step: the time in grammar work (masks, their consumption and rollback,
   on both models), against the time in the models' forwards. Greedy rows compute a mask only where
@@ -109,8 +110,9 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows: dict[int, dict] = {b: {} for b in batches}
-    for name, spec in (("plain", None), ("speculative", {"model": DRAFT, "num_speculative_tokens": 3,
-                                                         "use_heterogeneous_vocab": True})):
+    pair = {"model": DRAFT, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True}
+    # fixed K = 3, and the default app's adaptive K (drafting only where it pays)
+    for name, spec in (("plain", None), ("speculative", pair), ("adaptive", {**pair, "adaptive": True})):
         llm = LLM(model=TARGET, speculative_config=spec, max_model_len=1024)
         for batch in batches:
             for case, schema, temperature in (("free", False, 0.0), ("schema", True, 0.0),
@@ -120,8 +122,8 @@ def main() -> None:
     result = {"cpu": cpu_model(), "max_tokens": args.max_tokens, "batches": {}}
     for batch in batches:
         r = rows[batch]
-        speedups = {case: r[f"speculative/{case}"]["tok_s"] / r[f"plain/{case}"]["tok_s"]
-                    for case in ("free", "schema", "schema-T0.7")}
+        speedups = {f"{name}/{case}": r[f"{name}/{case}"]["tok_s"] / r[f"plain/{case}"]["tok_s"]
+                    for name in ("speculative", "adaptive") for case in ("free", "schema", "schema-T0.7")}
         result["batches"][str(batch)] = {"rows": r, "speedup": speedups}
         print(f"batch {batch}")
         print(f"  {'case':22} {'tok/s':>7} {'accept':>7} {'len':>5} {'grammar ms':>10} {'forward ms':>10} {'share':>6} {'json':>5}")

@@ -295,6 +295,13 @@ def init_ray(config: EngineConfig, **kwargs) -> None:
         ray.init(ignore_reinit_error=True, **kwargs)
 
 
+def _started_here() -> bool:
+    """Whether this process started its Ray cluster (a local one, fixed in size), not joined one."""
+    import ray
+
+    return bool(getattr(getattr(ray._private.worker, "_global_node", None), "head", False))
+
+
 class RayExecutor:
     """Target and draft groups as Ray actors, one per tensor-parallel rank."""
 
@@ -326,7 +333,15 @@ class RayExecutor:
         if config.disjoint_cores and not cuda and cores < bundles_needed(config):
             raise ValueError(f"disjoint_cores: {bundles_needed(config)} ranks (target and draft groups) need at "
                              f"least as many cores; this node has {cores}")
-        self.placement = placement_group([bundle] * bundles_needed(config), strategy=config.placement_strategy)
+        needed = bundles_needed(config)
+        kind = "GPU" if cuda else "CPU"
+        total = ray.cluster_resources().get(kind, 0)
+        if total < needed and _started_here():  # no autoscaler: waiting could never help
+            raise ExecutorError(f"this engine needs {needed} x {bundle} (a bundle per rank of each model group); the "
+                                f"Ray cluster holds {total:g} {kind} in all. A Ray started by this process keeps the "
+                                f"size it started with: call ray.shutdown() before building this engine (it then "
+                                f"starts one that fits), or start Ray with num_cpus/num_gpus >= {needed}")
+        self.placement = placement_group([bundle] * needed, strategy=config.placement_strategy)
         try:  # TANDEM_PLACEMENT_TIMEOUT_S: how long to wait for the cluster to have room
             ray.get(self.placement.ready(), timeout=float(os.environ.get("TANDEM_PLACEMENT_TIMEOUT_S") or 120))
         except ray.exceptions.GetTimeoutError:
@@ -460,12 +475,16 @@ class RayExecutor:
         self._start()
 
     def shutdown(self) -> None:
+        """Kill the actors and free their placement group (idempotent; nothing to do once Ray is down)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if not ray.is_initialized():
+            return
         for r in getattr(self, "target", []) + getattr(self, "draft", []):
             if not isinstance(r, DraftHandle):  # a colocated draft dies with its target actor
                 ray.kill(r, no_restart=True)
+        self.target, self.draft = [], []
         if getattr(self, "placement", None) is not None:
             remove_placement_group(self.placement)
             self.placement = None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -79,7 +80,11 @@ def position_logprobs(token: int, entry: tuple, tokenizer) -> PositionLogprobs:
 
 
 class LLM:
-    """An engine in this process. Keyword arguments are EngineConfig's fields."""
+    """An engine in this process. Keyword arguments are EngineConfig's fields.
+
+    What it holds (Ray actors and their placement group, with tensor parallelism or the Ray backend)
+    is released by `shutdown()`, at the end of a `with LLM(...) as llm:` block, or when the object
+    is garbage collected (`del llm`), so a script or notebook can build engines one after another."""
 
     def __init__(self, model: str, **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
@@ -89,6 +94,18 @@ class LLM:
         self.executor = self.core.executor
         self.max_model_len = self.core.max_model_len
         self._ids = itertools.count()
+        # holds the core, not self: runs once, at shutdown(), collection or exit, whichever is first
+        self._release = weakref.finalize(self, EngineCore.shutdown, self.core)
+
+    def shutdown(self) -> None:
+        """Release the model groups (Ray actors, placement group); the engine can't generate after."""
+        self._release()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer

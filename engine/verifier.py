@@ -32,7 +32,6 @@ class Verifier:
         counts = [len(d) for d in row_drafts]
         feed = [batch.pending[b] + row_drafts[b] for b in range(B)]
         logits = self.worker.forward(batch.tables, batch.starts, feed)  # [B, T, V]
-        V = logits.shape[2]
         # row b's k_b + 1 verified positions, flat: vLLM's [num_draft_tokens + B, V]
         flat, firsts = scored_positions(logits, batch.pending, [k + 1 for k in counts])
         flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]), inplace=True)

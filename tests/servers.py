@@ -3,6 +3,7 @@ process answering on a port is the test's own (a server someone else left on the
 tested in its place)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -45,3 +46,25 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
             pass
         time.sleep(1)
     raise AssertionError(f"{url} did not become healthy in {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def serve_app(name: str, args: dict):
+    """One application of the default deployment on a local Ray cluster of this process, HTTP and
+    gRPC on free loopback ports: yields (HTTP base URL, gRPC address), after checking that this
+    process's Ray is what listens on both; shuts Serve and Ray down after."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    port, grpc_port = free_port(), free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({**args, "grpc_port": grpc_port}), name=name, route_prefix="/")
+        assert owned_by_session(port) and owned_by_session(grpc_port)  # our own server answers
+        yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -17,10 +17,8 @@ import grpc
 import httpx
 import pytest
 import ray
-from ray import serve
 
-from deployments.app import build_app
-from servers import free_port, owned_by_session
+from servers import serve_app
 from tandem_proto import tandem_pb2 as pb
 from tandem_proto import tandem_pb2_grpc
 
@@ -36,25 +34,15 @@ BYSTANDER = {"model": TARGET, "prompt": "the quiet bystander", "max_tokens": 48,
 
 @pytest.fixture(scope="module")
 def server():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": TARGET, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
-                         "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3},
-                         "served_model_name": "hostile-suite", "grpc_port": grpc_port,
-                         "max_request_bytes": MAX_REQUEST_BYTES}),
-              name="hostile", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    # our own server: this process's Ray listens on both ports, and it serves the name given here
-    assert owned_by_session(port) and owned_by_session(grpc_port)
-    assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "hostile-suite"
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    stub = tandem_pb2_grpc.TandemServiceStub(channel)
-    assert stub.ListModels(pb.ListModelsRequest()).models[0].id == "hostile-suite"
-    yield {"base": base, "stub": stub, "grpc": f"127.0.0.1:{grpc_port}"}
-    channel.close()
-    serve.shutdown()
-    ray.shutdown()
+    args = {"model": TARGET, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "served_model_name": "hostile-suite",
+            "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3}, "max_request_bytes": MAX_REQUEST_BYTES}
+    with serve_app("hostile", args) as (base, grpc_address):
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "hostile-suite"
+        channel = grpc.insecure_channel(grpc_address)
+        stub = tandem_pb2_grpc.TandemServiceStub(channel)
+        assert stub.ListModels(pb.ListModelsRequest()).models[0].id == "hostile-suite"
+        yield {"base": base, "stub": stub, "grpc": grpc_address}
+        channel.close()
 
 
 def worker_pids() -> set[int]:

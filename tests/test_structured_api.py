@@ -12,11 +12,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import ray
-from ray import serve
 
-from deployments.app import build_app
-from servers import free_port, owned_by_session
+from servers import serve_app
 from tandem_proto import tandem_pb2 as pb
 from tandem_proto import tandem_pb2_grpc
 
@@ -50,19 +47,12 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 @pytest.fixture(scope="module")
 def server():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": TARGET, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
-                         "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3},
-                         "served_model_name": M, "grpc_port": grpc_port}),
-              name="structured", route_prefix="/")
-    assert owned_by_session(port) and owned_by_session(grpc_port)  # our own server answers
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    yield {"base": f"http://127.0.0.1:{port}", "stub": tandem_pb2_grpc.TandemServiceStub(channel)}
-    channel.close()
-    serve.shutdown()
-    ray.shutdown()
+    args = {"model": TARGET, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "served_model_name": M,
+            "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3}}
+    with serve_app("structured", args) as (base, grpc_address):
+        channel = grpc.insecure_channel(grpc_address)
+        yield {"base": base, "stub": tandem_pb2_grpc.TandemServiceStub(channel)}
+        channel.close()
 
 
 @pytest.fixture(scope="module")
