@@ -1,6 +1,7 @@
 """Typed configuration, validated once at the edge (LLM(), build_app(), the CLI).
 
-Keys and rules follow vLLM's `speculative_config` for `method: "draft_model"` (see DESIGN.md).
+Keys and rules follow vLLM's `speculative_config` for `method: "draft_model"` (the table of the seed
+document this project started from).
 Every error is a ValueError (pydantic's ValidationError is one) whose message names the key.
 """
 from __future__ import annotations

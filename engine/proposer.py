@@ -14,8 +14,6 @@ exact, as any draft distribution q_i does, given the q_i it was sampled from.
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from engine.config import SpeculativeConfig, parallel_drafting_token
@@ -25,10 +23,6 @@ from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, batch_probs, 
 from engine.step import AheadBatch, DraftBatch, DraftOutput, scored_positions
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
-
-
-class Proposer(Protocol):
-    def propose(self, batch: DraftBatch) -> DraftOutput: ...
 
 
 class DraftModelProposer:

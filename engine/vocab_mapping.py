@@ -15,7 +15,6 @@ import logging
 from functools import lru_cache
 
 import torch
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -122,21 +121,6 @@ class VocabMapping:
             log.warning("TLI: only %d tokens in common (< %d): expect very low acceptance",
                         common, MIN_COMMON_TOKENS)
         self.draft_unk = fallback_id(draft_tokenizer, "draft")
-
-    # -- draft side ---------------------------------------------------------------------------
-
-    def constrain_draft_logits(self, logits: Tensor) -> Tensor:
-        """logits [..., V_draft] with tokens outside the intersection at -inf."""
-        return logits.masked_fill(~self.draft_mask, float("-inf"))
-
-    def draft_to_target_ids(self, ids: list[int]) -> list[int]:
-        return self.draft_to_target[ids].tolist()
-
-    def draft_probs_to_target(self, q: Tensor, target_vocab: int) -> Tensor:
-        """q [k, V_draft] (zero outside the intersection) -> [k, V_target]."""
-        out = q.new_zeros(q.shape[0], target_vocab)
-        out[:, self.draft_to_target[self.draft_mask]] = q[:, self.draft_mask]
-        return out
 
     # -- sequence side ------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Every rule of DESIGN.md's speculative-config table, and the errors listed under it."""
+"""Every rule of the speculative-config table (vLLM's, as the seed document gives it), and the errors listed under it."""
 import pytest
 
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig, check_model_pair
