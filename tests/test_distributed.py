@@ -218,3 +218,18 @@ def test_groups_that_cannot_be_rebuilt_make_the_engine_unhealthy(reference, monk
         for pg in blockers:
             remove_placement_group(pg)
         engine.shutdown()
+
+
+def test_tp2_replicates_a_single_key_value_head():
+    """Gemma 3 270M has one key/value head for 4 query heads: with tensor_parallel_size 2 each rank
+    keeps its 2 query heads and a copy of the key/value head (vLLM's replication), and greedy
+    output with speculation (SmolLM2 through TLI, draft TP 1) equals TP 1's."""
+    gemma, smollm2 = "google/gemma-3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    spec = {"model": smollm2, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True}
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    tp1 = [o.outputs[0].token_ids for o in LLM(model=gemma, max_model_len=512, speculative_config=spec).generate(prompts, params)]
+    with LLM(model=gemma, max_model_len=512, tensor_parallel_size=2,
+             speculative_config={**spec, "draft_tensor_parallel_size": 1}) as llm:  # SmolLM2's 9 heads don't split
+        assert llm.executor.target and len(llm.executor.target) == 2
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == tp1

@@ -333,7 +333,7 @@ def load_sharded(source: ModelSource, dtype: torch.dtype, device: str, rank: int
     to `dtype` one tensor at a time, then placed on `device`. Peak memory: the shard plus one slice.
     Call tp.shard(model, rank, world, group, sliced=True) next."""
     from engine.models.checkpoint import Checkpoint
-    from engine.models.tp import check_shardable, split_of
+    from engine.models.tp import check_shardable, row_range, split_of
 
     directory = Path(source.path)
     config = _text_config(directory)
@@ -352,9 +352,9 @@ def load_sharded(source: ModelSource, dtype: torch.dtype, device: str, rank: int
         raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name in params:
         shape, split = checkpoint.shape(names[name]), split_of(name) if world > 1 else None
-        if split == "rows":
-            n = shape[0] // world
-            tensor = checkpoint.read(names[name], rows=(rank * n, (rank + 1) * n))
+        if split in ("rows", "kv_rows"):
+            heads = args.num_kv_heads if split == "kv_rows" else None
+            tensor = checkpoint.read(names[name], rows=row_range(shape[0], rank, world, heads))
         elif split == "cols":
             n = shape[1] // world
             tensor = checkpoint.read(names[name], cols=(rank * n, (rank + 1) * n))

@@ -1,6 +1,8 @@
 """Tensor parallelism as a separate pass over a built model (gpt-fast's tp.py, with explicit collectives).
 
 Column-parallel: q/k/v and gate/up keep 1/tp of their output rows (whole heads, whole MLP slices).
+With fewer key/value heads than ranks (GQA, MQA: Gemma 3 270M has one), each rank keeps the one
+key/value head its query heads use, replicated across tp / num_kv_heads ranks (as vLLM does).
 Row-parallel: o and down keep 1/tp of their input columns; their partial outputs are summed by an
 all-reduce that the layer's forward calls itself (Attention/MLP.forward, via `tp_group`).
 Embedding and LM head stay replicated: a vocab-parallel LM head would save 1/tp of its read per
@@ -16,15 +18,26 @@ from engine.models.linear import out_features, set_blocks
 from engine.models.transformer import Transformer
 
 
-def _keep_rows(layer: nn.Linear, rank: int, world: int) -> None:
-    rows = out_features(layer) // world
+def row_range(total: int, rank: int, world: int, heads: int | None = None) -> tuple[int, int]:
+    """The output rows rank keeps of a column-parallel weight with `total` rows: 1/world of them, or
+    with `heads` < world (key/value heads to replicate) the rows of head rank * heads // world."""
+    if heads is not None and heads < world:
+        size = total // heads
+        head = rank * heads // world
+        return head * size, (head + 1) * size
+    rows = total // world
+    return rank * rows, (rank + 1) * rows
+
+
+def _keep_rows(layer: nn.Linear, rank: int, world: int, heads: int | None = None) -> None:
+    a, b = row_range(out_features(layer), rank, world, heads)
     blocks = getattr(layer, "blocks", None)
     if blocks is not None:
-        set_blocks(layer, blocks.rows(rank * rows, (rank + 1) * rows))
+        set_blocks(layer, blocks.rows(a, b))
     else:
-        layer.weight = nn.Parameter(layer.weight[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
+        layer.weight = nn.Parameter(layer.weight[a:b].clone(), requires_grad=False)
     if layer.bias is not None:
-        layer.bias = nn.Parameter(layer.bias[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
+        layer.bias = nn.Parameter(layer.bias[a:b].clone(), requires_grad=False)
 
 
 def _keep_cols(layer: nn.Linear, rank: int, world: int) -> None:
@@ -42,10 +55,13 @@ def _keep_cols(layer: nn.Linear, rank: int, world: int) -> None:
 def check_shardable(args, world: int) -> None:
     if world == 1:
         return
-    for what, n in (("attention heads", args.num_heads), ("key/value heads", args.num_kv_heads),
-                    ("MLP intermediate size", args.intermediate_size)):
+    for what, n in (("attention heads", args.num_heads), ("MLP intermediate size", args.intermediate_size)):
         if n % world:
             raise ValueError(f"tensor_parallel_size {world} does not divide the model's {what} ({n})")
+    kv = args.num_kv_heads
+    if kv % world and world % kv:  # neither split nor replicated evenly
+        raise ValueError(f"tensor_parallel_size {world} neither divides the model's key/value heads ({kv}) nor is "
+                         f"a multiple of them (to replicate each across ranks)")
 
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
@@ -53,8 +69,11 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # split by input columns
 
 
 def split_of(name: str) -> str | None:
-    """How a parameter (HF name) is split across ranks: "rows", "cols" or None (replicated)."""
+    """How a parameter (HF name) is split across ranks: "rows", "kv_rows" (rows of key/value heads,
+    which may be replicated), "cols" or None (replicated)."""
     parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in ("k_proj", "v_proj"):
+        return "kv_rows"
     if len(parts) >= 2 and parts[-2] in COLUMN_PARALLEL:
         return "rows"  # weight and bias alike
     if len(parts) >= 2 and parts[-2] in ROW_PARALLEL and parts[-1] == "weight":
@@ -71,11 +90,13 @@ def shard(model: Transformer, rank: int, world: int, group, sliced: bool = False
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not sliced:
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            for proj in (attn.q_proj, mlp.gate_proj, mlp.up_proj):
                 _keep_rows(proj, rank, world)
+            for proj in (attn.k_proj, attn.v_proj):
+                _keep_rows(proj, rank, world, attn.num_kv_heads)
             _keep_cols(attn.o_proj, rank, world)
             _keep_cols(mlp.down_proj, rank, world)
         attn.num_heads //= world
-        attn.num_kv_heads //= world
+        attn.num_kv_heads = max(1, attn.num_kv_heads // world)
         attn.tp_group = mlp.tp_group = group
     return model
