@@ -83,10 +83,16 @@ def test_masks_of_drafts_are_the_states_after_them(json_tokenizer):
     assert torch.equal(unpack(masks.masks([("r", 0, [])])[0], len(tok))[0], allowed[0])  # rolled back
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp", "pytorch"])
 @pytest.mark.parametrize("vocab", [100, 104, 262144])
-def test_bitmask_applied_sparse_or_dense_equals_a_dense_mask(vocab):
+def test_bitmask_applied_sparse_or_dense_equals_a_dense_mask(vocab, kernel):
     """Rows that allow few tokens and rows that allow most, scattered rows, a vocabulary past the
-    bitmask's bits: the same logits as a plain masked_fill with the unpacked mask."""
+    bitmask's bits: the same logits as a plain masked_fill with the unpacked mask (our C++ kernel and
+    the PyTorch version)."""
+    from engine.models.skinny import skinny_kernel_available
+
+    if kernel and not skinny_kernel_available():
+        pytest.skip("no C++ kernels on this CPU (no AVX-512): the PyTorch case covers it")
     g = torch.Generator().manual_seed(0)
     width = (min(vocab, 100) + 31) // 32 if vocab < 1000 else vocab // 32
     bitmask = torch.zeros(6, width, dtype=torch.int32)
@@ -102,7 +108,7 @@ def test_bitmask_applied_sparse_or_dense_equals_a_dense_mask(vocab):
     allowed = unpack(bitmask, vocab)
     for i, r in enumerate(rows):
         expected[r] = expected[r].masked_fill(~allowed[i], float("-inf"))
-    apply_bitmask(logits, rows, bitmask)
+    apply_bitmask(logits, rows, bitmask, kernel=kernel)
     assert torch.equal(logits, expected)
 
 

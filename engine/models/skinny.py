@@ -1,6 +1,7 @@
 """Our CPU kernels, compiled on first use: small-M linears (csrc/skinny_linear.cpp: float32 and int8-block
-weights), the rest of a decode step's layer (csrc/decode_ops.cpp: RMSNorm, attention, gated activation) and
-the whole layer as one call (csrc/decode_layer.cpp).
+weights), the rest of a decode step's layer (csrc/decode_ops.cpp: RMSNorm, attention, gated activation),
+the whole layer as one call (csrc/decode_layer.cpp), and a grammar's token bitmask on logits
+(csrc/token_mask.cpp).
 
 Compiled for any AVX-512 CPU (not -march=native, so a cache or image built on one machine runs on
 another) into $TANDEM_CACHE_DIR/kernels (default ~/.cache/tandem/kernels), once per source and
@@ -20,7 +21,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("skinny_linear.cpp", "decode_ops.cpp", "decode_layer.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("skinny_linear.cpp", "decode_ops.cpp", "decode_layer.cpp", "token_mask.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "kernels.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # block_linear: never fuse its multiply-add
 # Up to this many rows (decode, verify steps of a batch, short prefills) the kernel runs within ~10% of
