@@ -103,6 +103,42 @@ def test_chat_completion_and_stream(client):
     assert streamed == answer
 
 
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+
+
+def test_json_schema_and_tool_calls_on_the_default_app(client):
+    """The default app (Gemma 3 target, SmolLM2 draft through TLI, adaptive K): schema answers that
+    validate, sampled and greedy, greedy equal to plain decoding under the same schema, and a named
+    tool call whose arguments follow the tool's parameters."""
+    import json
+
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Alice is 30 years old. Reply with her as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for seed in range(4):
+        chat = client.chat.completions.create(model=GEMMA3, messages=messages, max_tokens=64, temperature=1.0,
+                                              seed=seed, response_format=fmt)
+        assert chat.choices[0].finish_reason == "stop"  # the schema bounds every value: it always ends
+        jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    prompt = "Alice is 30 years old. As JSON:\n"
+    served = client.completions.create(model=GEMMA3, prompt=prompt, max_tokens=64, temperature=0,
+                                       extra_body={"structured_outputs": {"json": PERSON}}).choices[0].text
+    plain = LLM(model=GEMMA3, max_model_len=512).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": PERSON}))[0].outputs[0].text
+    assert served == plain
+    jsonschema.validate(json.loads(served), PERSON)
+    tools = [{"type": "function", "function": {"name": "add_person", "parameters": PERSON}}]
+    call = client.chat.completions.create(model=GEMMA3, messages=messages, max_tokens=64, temperature=0, tools=tools,
+                                          tool_choice={"type": "function", "function": {"name": "add_person"}})
+    assert call.choices[0].finish_reason == "tool_calls"
+    (tool_call,) = call.choices[0].message.tool_calls
+    assert tool_call.function.name == "add_person"
+    jsonschema.validate(json.loads(tool_call.function.arguments), PERSON)
+
+
 def test_tokenized_prompt_completes_as_the_text_with_one_bos(client):
     """A remote-tokenizer client (lm-evaluation-harness's) reads /tokenizer_info, tokenizes through
     /tokenize and sends token ids: it gets the text's greedy completion, with Gemma's BOS once."""
