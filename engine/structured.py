@@ -30,7 +30,10 @@ MAX_CHOICES = 4096
 LEXER_FUEL = 10_000_000
 STEP_LEXER_FUEL = 200_000
 MAX_GRAMMAR_SIZE = 2_000_000
-COMPILED_CACHE = 256  # grammars kept compiled, least recently used out
+COMPILED_CACHE = 256  # grammars kept compiled (or refused), least recently used out
+# Each worker builds a request's grammar again (on its step, the first time it sees it): a grammar
+# slower than this to compile at the edge is refused, so no request can stall the others for longer.
+MAX_COMPILE_S = 0.5
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -168,21 +171,38 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, eos_ids: set[int]):
         self._hf_tokenizer, self._eos_ids = hf_tokenizer, eos_ids
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache: OrderedDict[str, str | ValueError] = OrderedDict()  # a grammar, or why it was refused
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """The checked llguidance grammar; ValueError with what is wrong (the kind of input named)."""
-        from llguidance import LLMatcher
-
+        """The checked llguidance grammar; ValueError with what is wrong (the kind of input named).
+        Refusals are cached too: a costly grammar sent again costs nothing more."""
         key = params.key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                found = self._cache[key]
+                if isinstance(found, ValueError):
+                    raise ValueError(str(found))
+                return found
+        try:
+            grammar = self._compile(params)
+        except ValueError as e:
+            grammar = e
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > COMPILED_CACHE:
+                self._cache.popitem(last=False)
+        if isinstance(grammar, ValueError):
+            raise ValueError(str(grammar))
+        return grammar
+
+    def _compile(self, params: StructuredOutputsParams) -> str:
+        from llguidance import LLMatcher
+
         grammar = grammar_text(params)
-        start = time.perf_counter()
         tokenizer = ll_tokenizer(self._hf_tokenizer, self._eos_ids)
+        start = time.perf_counter()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=parser_limits())
         if is_error:
             raise ValueError(f"structured_outputs.{_kind(params)}: the grammar does not compile: {_short(messages[0])}")
@@ -195,11 +215,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{_kind(params)}: the grammar does not compile: "
                              f"{matcher_error(matcher.get_error())}")
-        log.debug("grammar compiled in %.1f ms", 1e3 * (time.perf_counter() - start))
-        with self._lock:
-            self._cache[key] = grammar
-            while len(self._cache) > COMPILED_CACHE:
-                self._cache.popitem(last=False)
+        elapsed = time.perf_counter() - start
+        if elapsed > MAX_COMPILE_S:
+            raise ValueError(f"structured_outputs.{_kind(params)}: the grammar took {elapsed:.1f} s to compile, more "
+                             f"than the {MAX_COMPILE_S} s allowed; simplify it (fewer alternatives, smaller enums)")
+        log.debug("grammar compiled in %.1f ms", 1e3 * elapsed)
         return grammar
 
 
