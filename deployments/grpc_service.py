@@ -85,15 +85,13 @@ def structured_outputs(so: pb.StructuredOutputs) -> dict:
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> list[pb.TokenLogprob]:
-    """The engine's (logprob, rank, top) entries as messages; None (the prompt's first token) has
-    no logprob."""
+    """The engine's TokenLogprob entries as messages; None (the prompt's first token) has no logprob."""
     out = []
     for token, entry in zip(token_ids, entries or []):
         msg = pb.TokenLogprob(token_id=token, token=tokenizer.decode([token]))
         if entry is not None:
-            logprob, rank, top = entry
-            msg.logprob, msg.rank = logprob, rank
-            msg.top_logprobs.extend(pb.TopLogprob(token_id=t, token=tokenizer.decode([t]), logprob=v) for t, v in top)
+            msg.logprob, msg.rank = entry.logprob, entry.rank
+            msg.top_logprobs.extend(pb.TopLogprob(token_id=t, token=tokenizer.decode([t]), logprob=v) for t, v in entry.top)
         out.append(msg)
     return out
 

@@ -1,8 +1,8 @@
 """Log-probabilities in OpenAI's two wire shapes: completions' (tokens, token_logprobs,
 top_logprobs, text_offset) and chat's (content: [{token, logprob, bytes, top_logprobs}]).
 
-Entries come from the engine as (logprob, rank, [(token id, logprob)] top); a token's text is its
-own decoding. -inf (a token outside top-k/top-p) is not JSON: it is sent as -9999.0, as vLLM does.
+Entries come from the engine as engine.step.TokenLogprob (logprob, rank, top [(token id, logprob)]);
+a token's text is its own decoding. -inf (a token outside top-k/top-p) is not JSON: it is sent as -9999.0, as vLLM does.
 """
 from __future__ import annotations
 
@@ -37,16 +37,15 @@ class LogprobFormatter:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            logprob, _, top = entry
-            out["token_logprobs"].append(finite(logprob))
-            out["top_logprobs"].append({self.text(t): finite(v) for t, v in top})
+            out["token_logprobs"].append(finite(entry.logprob))
+            out["top_logprobs"].append({self.text(t): finite(v) for t, v in entry.top})
         return out
 
     def chat(self, token_ids: list[int], entries: list) -> dict:
         content = []
-        for token, (logprob, _, top) in zip(token_ids, entries):
-            content.append({**self._token(token, logprob),
-                            "top_logprobs": [self._token(t, v) for t, v in top]})
+        for token, entry in zip(token_ids, entries):
+            content.append({**self._token(token, entry.logprob),
+                            "top_logprobs": [self._token(t, v) for t, v in entry.top]})
         return {"content": content}
 
     def _token(self, token: int, logprob: float) -> dict:

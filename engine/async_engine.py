@@ -21,6 +21,7 @@ from engine.core import EngineCore
 from engine.errors import INTERNAL_ERROR, error_kind
 from engine.metrics import CacheLogger, SpecDecodeLogger, SpecDecodeStats
 from engine.scheduler import Sequence
+from engine.step import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,9 @@ class RequestDelta:
     stats: SpecDecodeStats | None = None  # on the last delta
     error: str | None = None  # safe to show a client
     error_kind: str | None = None  # engine.errors.error_kind: invalid_request | internal | unavailable
-    # with SamplingParams.logprobs: one (logprob, rank, [(token, logprob)] top) per token in token_ids
-    logprobs: list | None = None
-    prompt_logprobs: list | None = None  # with prompt_logprobs, on the first delta: None, then one per token
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token in token_ids
+    # with prompt_logprobs, on the first delta: None, then one per token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class QueueFullError(RuntimeError):

@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from typing import Protocol
 
 import torch
 
@@ -184,13 +185,39 @@ class ColocatedRanks(GroupRank):
 
 class DraftHandle:
     """A colocated draft rank as the executor calls it: `handle.propose.remote(...)` goes to the
-    target actor's `draft_propose`."""
+    target actor's `draft_propose` (ColocatedRanks), and so on for each call a draft rank takes."""
 
     def __init__(self, actor):
         self.actor = actor
+        self.ready = actor.draft_ready
+        self.add_request = actor.draft_add_request
+        self.remove_request = actor.draft_remove_request
+        self.prefill = actor.draft_prefill
+        self.propose = actor.draft_propose
+        self.propose_ahead = actor.draft_propose_ahead
 
-    def __getattr__(self, name: str):
-        return getattr(self.actor, f"draft_{name}")
+
+class Executor(Protocol):
+    """What the scheduler calls to run the two model groups (LocalExecutor, RayExecutor)."""
+
+    num_blocks: int  # KV cache blocks each model's cache holds
+    overlaps_groups: bool  # whether the draft group's calls can run beside the target's (draft-ahead)
+
+    def add_request(self, request_id: str, seed: int, draft: bool = True,
+                    grammar: RequestGrammar | None = None) -> None: ...
+
+    def remove_request(self, request_id: str) -> None: ...
+
+    def prefill(self, target: Prefill | None, draft: Prefill | None,
+                scored: tuple[int, int] | None = None) -> list | None: ...
+
+    def step(self, verify: VerifyBatch, draft: DraftBatch | None, ahead: AheadBatch | None = None) -> VerifyOutput: ...
+
+    def target_logits(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]]): ...
+
+    def restart(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class LocalExecutor:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig, SamplingParams, check_cache_salt
 from engine.core import EngineCore
 from engine.metrics import SpecDecodeStats
 from engine.scheduler import Sequence
+from engine.step import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class RequestOutput:
             logprobs = None
             if seq.params.logprobs is not None:
                 logprobs = [position_logprobs(token, entry, tokenizer) for token, entry in zip(seq.output_ids, seq.logprobs)]
-            cumulative = sum(e[0] for e in seq.logprobs) if logprobs is not None else None
+            cumulative = sum(e.logprob for e in seq.logprobs) if logprobs is not None else None
             outputs.append(CompletionOutput(i, seq.text, list(seq.output_ids), seq.finish_reason, seq.stop_reason,
                                             logprobs, cumulative))
             stats.merge(seq.stats)
@@ -70,12 +71,11 @@ class RequestOutput:
                    prompt_logprobs)
 
 
-def position_logprobs(token: int, entry: tuple, tokenizer) -> PositionLogprobs:
-    """The engine's (logprob, rank, [(token, logprob)] top) as {token: Logprob}, the chosen one included."""
-    logprob, rank, top = entry
-    out = {t: Logprob(v, r + 1, tokenizer.decode([t])) for r, (t, v) in enumerate(top)}
+def position_logprobs(token: int, entry: TokenLogprob, tokenizer) -> PositionLogprobs:
+    """The engine's entry as {token: Logprob}, the top ones and the chosen one."""
+    out = {t: Logprob(v, r + 1, tokenizer.decode([t])) for r, (t, v) in enumerate(entry.top)}
     if token not in out:
-        out[token] = Logprob(logprob, rank, tokenizer.decode([token]))
+        out[token] = Logprob(entry.logprob, entry.rank, tokenizer.decode([token]))
     return out
 
 

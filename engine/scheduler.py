@@ -22,9 +22,10 @@ from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
+from engine.executor import Executor
 from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
-from engine.step import AheadBatch, DraftBatch, Prefill, RequestGrammar, RowSampling, VerifyBatch
+from engine.step import AheadBatch, DraftBatch, Prefill, RequestGrammar, RowSampling, TokenLogprob, VerifyBatch
 from engine.structured import GrammarCompiler
 from engine.vocab_mapping import VocabMapping
 
@@ -61,10 +62,9 @@ class Sequence:
     stop_reason: int | str | None = None
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    # with params.logprobs: per output token, (log-probability, rank, [(token, log-probability)] top)
-    logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: per output token
     # with params.prompt_logprobs: per prompt token the same, None for the first
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -92,7 +92,7 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
+    def __init__(self, executor: Executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
                  vocab_mapping: VocabMapping | None = None, vocab_size: int | None = None,
                  draft_max_len: int | None = None):
         self.executor = executor
@@ -626,7 +626,7 @@ class Scheduler:
         held = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         return RowSampling(seq.request_id, p, tuple(sorted(held)), hold, **history)
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         p = seq.params
         start = len(seq.output_ids)
         for i, token in enumerate(tokens):

@@ -5,11 +5,21 @@ Lists are per sequence (rows are ragged: each has its own start position and tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from engine.config import SamplingParams
+
+
+class TokenLogprob(NamedTuple):
+    """A token's log-probability where it was sampled (or scored, in a prompt), its rank there
+    (1 = the most likely) and the `logprobs` most likely (token, log-probability) pairs."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -147,9 +157,8 @@ class VerifyOutput:
     tokens: list[list[int]]  # [B][1..k_b+1] tokens to append
     num_accepted: list[int] = field(default_factory=list)  # [B] accepted drafts
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it failed; its tokens are []
-    # row -> one entry per emitted token: (its log-probability, its rank (1 = most likely),
-    # [(token, log-probability)] of the request's `logprobs` most likely), for rows that asked
-    logprobs: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # row -> one entry per emitted token, for rows that asked
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     elapsed_s: float = 0.0  # the target group's compute time (forward + rejection sampling)
     draft_elapsed_s: float = 0.0  # the draft group's, passed through (adaptive K measures both)
     ahead: DraftOutput | None = None  # draft-ahead: the next blocks' proposals (no distributions)

@@ -10,7 +10,7 @@ from engine.grammar_masks import GrammarMasks, apply_bitmask
 from engine.rejection import block_sample, rejection_sample, synthetic_sample
 from engine.sampling import INVALID_DISTRIBUTION, SamplingTensors, apply_penalties, held_back_pairs, mask_tokens, \
     processed_logprobs, step_probs
-from engine.step import DraftOutput, VerifyBatch, VerifyOutput, merge_drafts, scored_positions
+from engine.step import DraftOutput, TokenLogprob, VerifyBatch, VerifyOutput, merge_drafts, scored_positions
 from engine.worker import ModelWorker
 
 
@@ -132,7 +132,7 @@ class Verifier:
                 self.grammars.advance(batch.sampling[b].request_id, out[b])
 
     def _logprobs(self, rows: list[int], logits: torch.Tensor, params, counts: list[int],
-                  tokens: list[list[int]]) -> dict[int, list]:
+                  tokens: list[list[int]]) -> dict[int, list[TokenLogprob]]:
         """Each emitted token's log-probability and the top ones at its position, for `rows`."""
         dev = logits.device
         lp = processed_logprobs(logits, [params[b] for b in rows for _ in range(counts[b] + 1)])
@@ -155,7 +155,7 @@ class Verifier:
         result = {}
         for b, start in zip(rows, starts):
             n, want = len(tokens[b]), params[b].logprobs
-            result[b] = [(picked[start + i], rank[start + i],
-                          list(zip(top_ids[start + i][:want], top_values[start + i][:want])) if want else [])
+            result[b] = [TokenLogprob(picked[start + i], rank[start + i],
+                                      list(zip(top_ids[start + i][:want], top_values[start + i][:want])) if want else [])
                          for i in range(n)]
         return result

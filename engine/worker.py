@@ -19,6 +19,7 @@ from engine.models.linear import pack_linears, use_blocks
 from engine.models.loading import ModelSource, build_model, load_sharded, load_state_dict
 from engine.models.skinny import skinny_kernel_available
 from engine.models.tp import shard
+from engine.step import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +150,10 @@ class ModelWorker:
 
     @torch.inference_mode()
     def prefill_scored(self, table: list[int], first: int, tokens: list[int], answers: list[int], top: int,
-                       chunk: int = 64) -> list[tuple[float, int, list[tuple[int, float]]]]:
+                       chunk: int = 64) -> list[TokenLogprob]:
         """prefill(), also scoring answers[i] (the token after tokens[i]) by the model's own
-        log-softmax: (log-probability, rank, the `top` most likely as (token, log-probability)). Chunks are small: each one's logits
-        span the vocabulary."""
+        log-softmax, with the `top` most likely at each position. Chunks are small: each one's
+        logits span the vocabulary."""
         out = []
         for start in range(0, len(tokens), chunk):
             logits = self.forward([table], [first + start], [tokens[start:start + chunk]])[0]
@@ -164,7 +165,8 @@ class ModelWorker:
             if top:
                 best = torch.topk(lp, top, dim=-1)
                 ids, values = best.indices.tolist(), best.values.tolist()
-            out.extend((p, r, list(zip(ids[i], values[i])) if top else []) for i, (p, r) in enumerate(zip(picked, rank)))
+            out.extend(TokenLogprob(p, r, list(zip(ids[i], values[i])) if top else [])
+                       for i, (p, r) in enumerate(zip(picked, rank)))
         return out
 
     def prefill(self, table: list[int], start: int, tokens: list[int], chunk: int = 512) -> None:
