@@ -27,8 +27,10 @@ def reference():
 
 def test_engines_one_after_another(reference):
     ray.shutdown()
+    # this process's own Ray, one TP-2 engine's worth whatever the machine's cores
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        with LLM(model=TARGET, tensor_parallel_size=2) as llm:  # starts a Ray of 2 CPUs: one engine's worth
+        with LLM(model=TARGET, tensor_parallel_size=2) as llm:
             assert outputs(llm) == reference
         llm = LLM(model=TARGET, tensor_parallel_size=2)
         assert outputs(llm) == reference
