@@ -40,6 +40,9 @@ class DraftModelProposer:
             self.draft_to_target = vocab_mapping.draft_to_target.to(dev)
             self.mapped_draft = vocab_mapping.draft_mask.nonzero()[:, 0].to(dev)
             self.mapped_target = vocab_mapping.draft_to_target[vocab_mapping.draft_mask].to(dev)
+            # grammar bitmasks live on the host: each draft token's target id there (0 outside the
+            # intersection, which the mask refuses anyway)
+            self.grammar_ids = vocab_mapping.draft_to_target.clamp(min=0)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch, grammar: bool = True) -> DraftOutput:
@@ -191,7 +194,7 @@ class DraftModelProposer:
             apply_bitmask(logits, rows, bitmask[torch.tensor(some)])
             return rows
         # TLI: a draft token is allowed when its target token is (outside the intersection: never)
-        allowed = (allowed_at(bitmask, self.mapping.draft_to_target.clamp(min=0)) & self.mapping.draft_mask).to(logits.device)
+        allowed = (allowed_at(bitmask, self.grammar_ids) & self.mapping.draft_mask).to(logits.device)
         some = allowed.any(-1).tolist()
         rows = [i for i, ok in zip(at, some) if ok]
         if rows:

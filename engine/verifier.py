@@ -105,11 +105,11 @@ class Verifier:
         there: what follows is never emitted), and only the refused ones are masked."""
         lazy = [b for b in rows if batch.sampling[b].params.greedy and batch.sampling[b].params.logprobs is None
                 and self.method != "synthetic"]
-        full = [b for b in rows if b not in set(lazy)]
+        lazy_rows = set(lazy)
+        full = [b for b in rows if b not in lazy_rows]
         errors = {}
-        if lazy:
-            index = [firsts[b] + j for b in lazy for j in range(len(row_drafts[b]) + 1)]
-            best = flat.argmax(-1)[torch.tensor(index, dtype=torch.long, device=flat.device)].tolist()
+        if lazy:  # the argmax of each lazy row's own positions (contiguous in flat: no copy)
+            best = torch.cat([flat[firsts[b]: firsts[b] + len(row_drafts[b]) + 1].argmax(-1) for b in lazy]).tolist()
             at, rows_best = 0, []
             for b in lazy:
                 rows_best.append(best[at: at + len(row_drafts[b]) + 1])
