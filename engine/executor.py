@@ -69,14 +69,17 @@ class GroupRank:
 
     @staticmethod
     def _grammars(config: EngineConfig, vocab: int) -> GrammarMasks:
-        """Grammar state in the target's tokens (what every grammar is written in); its tokenizer
-        view is built in the background now, so no step waits seconds for the first grammar."""
+        """Grammar state in the target's tokens (what every grammar is written in)."""
         source = resolve_model(config.model)
         tokenizer = load_tokenizer(source, config.tokenizer)
-        grammars = GrammarMasks(tokenizer, eos_token_ids(tokenizer, load_config(source)), vocab,
-                                threads=torch.get_num_threads())
-        threading.Thread(target=grammars.warm, name="tandem-grammar-warm", daemon=True).start()
-        return grammars
+        return GrammarMasks(tokenizer, eos_token_ids(tokenizer, load_config(source)), vocab,
+                            threads=torch.get_num_threads())
+
+    def warm_grammars(self) -> None:
+        """Build the grammar tokenizer view in the background (seconds for 262k tokens), so that a
+        step doesn't wait for it; called when the engine sees its first grammar, not at start, so
+        engines that never get one never pay it."""
+        threading.Thread(target=self.grammars.warm, name="tandem-grammar-warm", daemon=True).start()
 
     def ready(self) -> bool:
         return True
@@ -219,6 +222,8 @@ class Executor(Protocol):
 
     def shutdown(self) -> None: ...
 
+    def warm_grammars(self) -> None: ...
+
 
 class LocalExecutor:
     overlaps_groups = False  # one process: the draft runs after the verify, never beside it
@@ -280,6 +285,9 @@ class LocalExecutor:
 
     def restart(self) -> None:
         pass  # nothing in this process can die without taking the process with it
+
+    def warm_grammars(self) -> None:
+        self.target.warm_grammars()  # the draft's view is the same one: one per process
 
     def shutdown(self) -> None:
         pass
@@ -344,6 +352,7 @@ class RayExecutor:
         self.vocab_mapping, self.timeout_s = vocab_mapping, timeout_s
         self._ahead = None  # ObjectRef: the last step's draft-ahead blocks, whole, for the next verify
         self._with_draft: set[str] = set()  # requests the draft group holds state for
+        self._grammars_warmed = False
         self._start()
 
     def _start(self) -> None:
@@ -500,6 +509,14 @@ class RayExecutor:
         self.shutdown()
         self._ahead = None
         self._start()
+        if self._grammars_warmed:
+            self.warm_grammars()
+
+    def warm_grammars(self) -> None:
+        """Each rank process's grammar tokenizer view, in its background (not waited for)."""
+        self._grammars_warmed = True
+        for r in self.target + [r for r in self.draft if not isinstance(r, DraftHandle)]:
+            r.warm_grammars.remote()  # a colocated draft shares its target's process (and view)
 
     def shutdown(self) -> None:
         """Kill the actors and free their placement group (idempotent; nothing to do once Ray is down)."""

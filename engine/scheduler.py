@@ -101,6 +101,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.grammars = GrammarCompiler(tokenizer, eos_ids)
+        self._grammars_warmed = False
         self.spec = config.speculative_config
         self.max_model_len = max_model_len
         # past its own context limit the draft stops drafting for a sequence; the target goes on alone
@@ -162,6 +163,9 @@ class Scheduler:
         if bad:
             raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if params.structured_outputs is not None:  # compiled here, off the step thread, and cached
+            if not self._grammars_warmed:  # the workers build their tokenizer view meanwhile
+                self._grammars_warmed = True
+                self.executor.warm_grammars()
             self.grammars.compile(params.structured_outputs)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
