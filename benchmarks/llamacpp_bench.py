@@ -58,6 +58,7 @@ def tandem_prefill(llm, tokens: int) -> tuple[float, float]:
 
     from engine import SamplingParams
     from engine.kv_cache import static_tables
+    from engine.step import Prefill
 
     ids = torch.randint(100, 20000, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
     start = time.perf_counter()
@@ -65,7 +66,7 @@ def tandem_prefill(llm, tokens: int) -> tuple[float, float]:
     ttft = time.perf_counter() - start
     worker = llm.executor.target.worker
     start = time.perf_counter()
-    worker.prefill(static_tables(1, tokens, worker.block_size)[0], 0, ids)
+    worker.prefill([Prefill(static_tables(1, tokens, worker.block_size)[0], 0, ids)])
     return tokens / ttft, tokens / (time.perf_counter() - start)
 
 

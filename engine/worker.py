@@ -19,7 +19,7 @@ from engine.models.linear import pack_linears, use_blocks
 from engine.models.loading import ModelSource, build_model, load_sharded, load_state_dict
 from engine.models.skinny import skinny_kernel_available
 from engine.models.tp import shard
-from engine.step import TokenLogprob
+from engine.step import Prefill, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +119,14 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]] | Tensor,
-                last_only: bool = False) -> Tensor:
+                last_only: bool = False, logits: bool = True) -> Tensor:
         """Ragged forward: row b writes tokens[b] at positions starts[b].. through its block table
         tables[b] (which covers them; padding positions past it land in the null block).
         `tokens` is host lists, or a [B, T] tensor on this device (every row T tokens: no host read).
 
         Returns float32 logits [B, T, V] (padded rows past len(tokens[b]) are garbage),
-        or [B, 1, V] at each row's last token when last_only.
+        or [B, 1, V] at each row's last token when last_only, or [B, 0, V] without logits (the
+        cache written, the LM head skipped).
         """
         dev = self.device
         if isinstance(tokens, Tensor):
@@ -146,6 +147,8 @@ class ModelWorker:
             row = row[:width]
             table[b, : len(row)] = torch.tensor(row, dtype=torch.long)
         logit_index = torch.tensor([[n - 1] for n in lengths]).to(dev) if last_only else None
+        if not logits:
+            logit_index = torch.zeros(B, 0, dtype=torch.long, device=dev)
         return self.model(ids, positions.to(dev), self.cache, table.to(dev), logit_index)
 
     @torch.inference_mode()
@@ -169,8 +172,39 @@ class ModelWorker:
                        for i, (p, r) in enumerate(zip(picked, rank)))
         return out
 
-    def prefill(self, table: list[int], start: int, tokens: list[int], chunk: int = 512) -> None:
-        """Write tokens at positions start.. through a block table (no logits needed: the next step
-        feeds the last prompt token)."""
-        for at in range(0, len(tokens), chunk):
-            self.forward([table], [start + at], [tokens[at:at + chunk]], last_only=True)
+    def prefill(self, chunks: list[Prefill], max_rows: int = 512) -> None:
+        """Write each chunk's tokens at its positions through its block table; no logits (the next
+        step feeds the last prompt token). Chunks of different sequences share forwards where
+        padding them to one length wastes little: a step's prefill is then one or two forwards,
+        not one per request."""
+        if any(len(c.tokens) > max_rows for c in chunks):  # a chunk's parts run in order, alone
+            for c in chunks:
+                for at in range(0, len(c.tokens), max_rows):
+                    self.forward([c.table], [c.start + at], [c.tokens[at:at + max_rows]], logits=False)
+            return
+        for group in padded_groups([len(c.tokens) for c in chunks], max_rows):
+            self.forward([chunks[i].table for i in group], [chunks[i].start for i in group],
+                         [chunks[i].tokens for i in group], logits=False)
+
+
+SMALL_ROWS = 16  # a forward of this many rows costs about what one row costs: weights stream once
+
+
+def padded_groups(lengths: list[int], max_rows: int, waste: float = 1.25) -> list[list[int]]:
+    """Indices of `lengths` in forwards of [B, T] rows: longest first, a row joins the current
+    forward while its padded size B * T stays within `waste` of the tokens it holds (or at most
+    SMALL_ROWS, which cost about one row) and within max_rows."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    held = 0
+    for i in order:
+        if groups:
+            width, n = lengths[groups[-1][0]], len(groups[-1]) + 1
+            padded = n * width
+            if padded <= max_rows and (padded <= SMALL_ROWS or padded <= waste * (held + lengths[i])):
+                groups[-1].append(i)
+                held += lengths[i]
+                continue
+        groups.append([i])
+        held = lengths[i]
+    return groups

@@ -3,8 +3,10 @@ prompt is prefilled over several steps; greedy tokens, prompt logprobs and abort
 prompt prefilled at once, at every chunk boundary (budget 1, the block size, prompts just above
 and below the budget, TLI chunks that end inside the draft's re-tokenized text)."""
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.worker import SMALL_ROWS, padded_groups
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 GEMMA3, SMOLLM2 = "google/gemma-3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -88,3 +90,41 @@ def test_real_pair_chunks_inside_the_drafts_retokenized_text_keep_greedy_tokens(
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert llm.spec_decode_stats.num_accepted_tokens > 0
+
+
+def _prompt_kv(llm: LLM, seq, n: int):
+    """The keys and values of a sequence's first n positions in every layer of the target's cache."""
+    cache, bs = llm.executor.target.worker.cache, llm.scheduler.target_kv.block_size
+    blocks = seq.target.blocks[: -(-n // bs)]
+    return [c[layer][blocks].permute(0, 2, 1, 3).flatten(0, 1)[:n] for c in (cache.k, cache.v)
+            for layer in range(len(cache.k))]
+
+
+def test_one_step_prefills_its_requests_together_with_the_keys_and_values_of_each_alone():
+    """Four prompts admitted at once are prefilled in one forward per model; every key and value is
+    the one a prefill of that prompt alone writes, bit for bit (rows never depend on each other)."""
+    lengths = [5, 12, 9, 3]
+    together = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False)
+    alone = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False)
+    prompts = [prompt_of(together, n)["prompt_token_ids"] for n in lengths]
+    seqs = [together.scheduler.add(f"r{i}", None, p, GREEDY) for i, p in enumerate(prompts)]
+    together.scheduler.step()
+    assert all(not s.prefilling and len(s.output_ids) == 1 for s in seqs)  # one step: prefill, first token
+    for i, p in enumerate(prompts):
+        seq = alone.scheduler.add(f"a{i}", None, p, GREEDY)
+        alone.scheduler.step()
+        for got, want in zip(_prompt_kv(together, seqs[i], len(p)), _prompt_kv(alone, seq, len(p))):
+            assert torch.equal(got, want)
+        assert seq.output_ids == seqs[i].output_ids
+        alone.scheduler.abort(f"a{i}")
+
+
+def test_padded_groups_bound_the_padding_and_keep_every_chunk_once():
+    for lengths in ([7, 6, 8, 5, 7, 9, 6], [256, 7, 7, 7], [100, 90, 95, 30, 29], [1] * 20, [300, 300, 1], [1]):
+        groups = padded_groups(lengths, max_rows=512)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            padded, held = len(g) * max(lengths[i] for i in g), sum(lengths[i] for i in g)
+            assert len(g) == 1 or (padded <= 512 and (padded <= SMALL_ROWS or padded <= 1.25 * held))
+    assert padded_groups([256, 7, 7, 7], 512) == [[0], [1, 2, 3]]  # the short ones aren't padded to 256
+    assert len(padded_groups([7, 6, 8, 5, 7, 9, 6], 512)) <= 2

@@ -125,8 +125,8 @@ def logits_of(engine: AsyncEngine):
     tok = engine.tokenizer
     a, b = tok.encode("hello world"), tok.encode("the cat sat")
     tables = static_tables(2, 64, engine.core.config.block_size)
-    ex.prefill(Prefill(tables[0], 0, a[:-1]), None)
-    ex.prefill(Prefill(tables[1], 0, b[:-1]), None)
+    ex.prefill([Prefill(tables[0], 0, a[:-1])], [])
+    ex.prefill([Prefill(tables[1], 0, b[:-1])], [])
     return ex.target_logits(tables, [len(a) - 1, len(b) - 1], [a[-1:] + [5, 6], b[-1:]])
 
 

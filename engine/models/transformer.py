@@ -415,5 +415,7 @@ class Transformer(nn.Module):
             for layer in m.layers:
                 x = layer(x, ctx)
         if logit_index is not None:
+            if logit_index.shape[1] == 0:  # a prefill: only the cache was wanted
+                return x.new_empty(B, 0, self.args.vocab_size, dtype=torch.float32)
             x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
         return linear(m.norm(x, kernels), self.lm_head).float()
