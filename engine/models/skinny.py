@@ -6,7 +6,8 @@ the whole layer as one call (csrc/decode_layer.cpp), and a grammar's token bitma
 Compiled for any AVX-512 CPU (not -march=native, so a cache or image built on one machine runs on
 another) into $TANDEM_CACHE_DIR/kernels (default ~/.cache/tandem/kernels), once per source and
 flags; later processes (Ray actors included) load the built library in about a second. Where it
-cannot be built (no AVX-512, no compiler) or TANDEM_SKINNY_KERNEL=0, callers fall back to oneDNN.
+cannot be built (no AVX-512, no compiler), where the OS doesn't let a process run it (a child process
+tries it once per CPU), or TANDEM_SKINNY_KERNEL=0, callers fall back to oneDNN with a log line.
 """
 from __future__ import annotations
 
@@ -47,13 +48,28 @@ def skinny_kernel_available() -> bool:
     if not _cpu_has_avx512():
         logger.info("skinny linear kernel: CPU has no AVX-512; using oneDNN for every linear")
         return False
-    from torch.utils import cpp_extension
+    if not _runs_here():
+        return False
+    try:
+        _build_and_load()
+    except Exception as exc:  # no compiler, no ninja, a broken toolchain: oneDNN still works
+        logger.warning("skinny linear kernel could not be built (%s); using oneDNN for every linear", exc)
+        return False
+    return True
 
+
+def _library() -> tuple[str, Path]:
     from engine.models.loading import cache_dir  # here: loading imports the model, which imports us
 
     version = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS).encode()).hexdigest()[:12]
     name = f"tandem_skinny_{version}"
-    build_dir = cache_dir() / "kernels" / name
+    return name, cache_dir() / "kernels" / name
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    name, build_dir = _library()
     build_dir.mkdir(parents=True, exist_ok=True)
     # cpp_extension runs `ninja` from PATH; the pip-installed one sits beside this interpreter,
     # which is not on PATH when the venv is used without activating it.
@@ -63,9 +79,46 @@ def skinny_kernel_available() -> bool:
         # cpp_extension holds a file lock while building, so concurrent actors build it once.
         cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
                            extra_cflags=CFLAGS, is_python_module=False)
-    except Exception as exc:  # no compiler, no ninja, a broken toolchain: oneDNN still works
-        logger.warning("skinny linear kernel could not be built (%s); using oneDNN for every linear", exc)
-        return False
     finally:
         os.environ["PATH"] = path
-    return True
+
+
+PROBE = """
+import torch
+from engine.models.skinny import _build_and_load
+_build_and_load()
+x, w = torch.ones(3, 64), torch.ones(8, 64)
+assert torch.equal(torch.ops.tandem.skinny_linear(x, w, None), x @ w.T)
+"""
+
+
+def _runs_here() -> bool:
+    """Whether the kernels' instructions run in a process here: a CPU can list AVX-512 while the OS
+    (a hypervisor, a kernel booted without its state) doesn't enable it, and then the library's
+    first instruction dies with SIGILL. So a child process builds, loads and runs it first; the
+    verdict is kept per library and CPU (a build that fails is a verdict too: logged here)."""
+    import subprocess
+
+    _, build_dir = _library()
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    verdict = build_dir / f"runs-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    if verdict.exists():
+        outcome = verdict.read_text()
+    else:
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        try:
+            child = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, timeout=900, env=env)
+        except subprocess.TimeoutExpired:
+            logger.warning("skinny linear kernel: building and trying it took over 900 s; using oneDNN this time")
+            return False  # a slow machine, not a verdict: asked again next time
+        outcome = "ok" if child.returncode == 0 else \
+            f"signal {-child.returncode}" if child.returncode < 0 else f"exit {child.returncode}"
+        if outcome != "ok":
+            logger.warning("skinny linear kernel: a process here could not build or run it (%s): %s",
+                           outcome, child.stderr.decode(errors="replace")[-2000:])
+        build_dir.mkdir(parents=True, exist_ok=True)
+        verdict.write_text(outcome)
+    if outcome != "ok":
+        logger.warning("skinny linear kernel: unusable on this machine (%s); using oneDNN for every linear", outcome)
+    return outcome == "ok"
