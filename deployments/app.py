@@ -33,6 +33,11 @@ class ServeArgs(BaseModel):
     placement_strategy: str = "PACK"  # EngineConfig's: PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
     disjoint_cores: bool = False  # EngineConfig's: each CPU rank on its own share of the node's cores
     gguf_weights: str = "blocks"  # EngineConfig's: blocks | float32
+    # EngineConfig's CPU knobs; unset: the engine's default, or the TANDEM_* variable the engine reads
+    cpu_kernels: bool | None = None  # our C++ kernels (False: oneDNN and PyTorch for everything)
+    rank_threads: int | None = None  # torch threads per rank
+    placement_timeout_s: float | None = None  # how long the groups' placement waits for room (120)
+    omp_spin_count: int | None = None  # GOMP_SPINCOUNT of the rank processes (30000)
     # The key: the CLI's --api-key (never from a YAML: Ray logs an application's args), an
     # environment variable's name, or a file. Unset: $TANDEM_API_KEY when that is set, else open.
     api_key: SecretStr | None = None
@@ -62,7 +67,9 @@ class ServeArgs(BaseModel):
         return value
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+        knobs = {k: getattr(self, k) for k in ("cpu_kernels", "rank_threads", "placement_timeout_s", "omp_spin_count")
+                 if getattr(self, k) is not None}
+        return EngineConfig(**knobs, model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                             max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
                             max_num_seqs=self.max_num_seqs, seed=self.seed, device=self.device,
                             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,

@@ -39,6 +39,15 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="CPU: pin each rank of both groups to its own share of the node's cores")
     p.add_argument("--gguf-weights", default=None, choices=["blocks", "float32"],
                    help="CPU, GGUF models: the file's int8 blocks (default) or dequantized float32 copies")
+    p.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU: our C++ kernels for small-row linears, decode layers and grammar masks (default on; "
+                        "--no-cpu-kernels: oneDNN and PyTorch for everything)")
+    p.add_argument("--rank-threads", type=int, default=None,
+                   help="CPU: torch threads per model rank (default: the node's cores over a group's ranks)")
+    p.add_argument("--placement-timeout-s", type=float, default=None,
+                   help="how long the model groups wait for the Ray cluster to have room (default 120)")
+    p.add_argument("--omp-spin-count", type=int, default=None,
+                   help="CPU: GOMP_SPINCOUNT of the model ranks (default 30000)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each GPU for weights and KV cache (default 0.9); the KV cache gets what is left")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,

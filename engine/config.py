@@ -7,7 +7,8 @@ Every error is a ValueError (pydantic's ValidationError is one) whose message na
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+import os
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -185,6 +186,38 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
     speculative_config: SpeculativeConfig | None = None
+    # CPU only. Our C++ kernels (csrc/): small-row linears (decode and verify steps, GGUF blocks), the
+    # decode layer's ops, the grammar-mask apply. False turns all of them off: every linear on oneDNN,
+    # a GGUF model's quantized tensors held as float32 (the blocks need the kernel), masks in PyTorch.
+    # A machine that can't build or run them falls back the same way by itself.
+    cpu_kernels: bool = True
+    # CPU only: torch threads per rank. Unset: the node's cores over the ranks of one group (the
+    # groups take turns on the same cores). Set it where other work shares the node (several
+    # replicas on one node: each would otherwise take every core).
+    rank_threads: int | None = Field(default=None, ge=1)
+    # How long the model groups' placement waits for the Ray cluster to have room (at start and on
+    # a restart), seconds; then the engine fails with what it asked for.
+    placement_timeout_s: float = Field(default=120.0, ge=0)
+    # GOMP_SPINCOUNT of the rank processes (CPU): how long an idle OpenMP thread spins before it
+    # sleeps. 30k spins here cost 1.05x a step against the default's 1.18x and PASSIVE's 1.4x (the
+    # step's kernels are many short parallel regions).
+    omp_spin_count: int = Field(default=30000, ge=0)
+
+    # The environment may set these (read once, here: actors get the config, not the variables);
+    # a value given in the config wins.
+    ENV_FIELDS: ClassVar[dict[str, str]] = {
+        "TANDEM_CPU_KERNELS": "cpu_kernels", "TANDEM_SKINNY_KERNEL": "cpu_kernels",
+        "TANDEM_RANK_THREADS": "rank_threads", "TANDEM_PLACEMENT_TIMEOUT_S": "placement_timeout_s",
+        "TANDEM_GOMP_SPINCOUNT": "omp_spin_count"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_environment(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        found = {field: os.environ[var] for var, field in cls.ENV_FIELDS.items()
+                 if os.environ.get(var) and field not in data}
+        return {**found, **data} if found else data
 
     @field_validator("speculative_config", mode="before")
     @classmethod

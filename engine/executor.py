@@ -59,7 +59,7 @@ class GroupRank:
         name = config.model if role == "target" else spec.model
         self.worker = ModelWorker(resolve_model(name), None, config.block_size, config.torch_dtype(),
                                   device, rng_stream=role, rank=rank, world=world, group=group,
-                                  gguf_blocks=config.gguf_weights == "blocks")
+                                  gguf_blocks=config.gguf_weights == "blocks", cpu_kernels=config.cpu_kernels)
         self.rank, self.group, self.config = rank, group, config
         self.grammars = self._grammars(config, target_vocab)  # in the target's tokens, on both groups
         if role == "draft":
@@ -73,7 +73,7 @@ class GroupRank:
         source = resolve_model(config.model)
         tokenizer = load_tokenizer(source, config.tokenizer)
         return GrammarMasks(tokenizer, eos_token_ids(tokenizer, load_config(source)), vocab,
-                            threads=torch.get_num_threads())
+                            threads=torch.get_num_threads(), kernel=config.cpu_kernels)
 
     def warm_grammars(self) -> None:
         """Build the grammar tokenizer view in the background (seconds for 262k tokens), so that a
@@ -307,11 +307,12 @@ def _free_address() -> str:
     return f"{ray.util.get_node_ip_address()}:{port}"
 
 
-# The draft and target groups take turns on the same cores. libgomp's threads spin for a while
-# after each parallel region (300k spins by default), stealing the cores from the group whose turn
-# it is; a shorter spin keeps the Ray path within ~5% of in-process (benchmarks/batch_bench.py:
-# default 1.18x, PASSIVE 1.4x, 30k spins 1.05x per step here). TANDEM_GOMP_SPINCOUNT overrides.
-ACTOR_ENV = {"env_vars": {"GOMP_SPINCOUNT": os.environ.get("TANDEM_GOMP_SPINCOUNT", "30000")}}
+def actor_env(config: EngineConfig) -> dict:
+    """The rank processes' environment. The draft and target groups take turns on the same cores;
+    libgomp's threads spin for a while after each parallel region (300k spins by default), stealing
+    the cores from the group whose turn it is; a shorter spin keeps the Ray path within ~5% of
+    in-process (benchmarks/batch_bench.py: default 1.18x, PASSIVE 1.4x, 30k spins 1.05x a step)."""
+    return {"env_vars": {"GOMP_SPINCOUNT": str(config.omp_spin_count)}}
 
 
 def bundles_needed(config: EngineConfig) -> int:
@@ -382,8 +383,8 @@ class RayExecutor:
                                 f"size it started with: call ray.shutdown() before building this engine (it then "
                                 f"starts one that fits), or start Ray with num_cpus/num_gpus >= {needed}")
         self.placement = placement_group([bundle] * needed, strategy=config.placement_strategy)
-        try:  # TANDEM_PLACEMENT_TIMEOUT_S: how long to wait for the cluster to have room
-            ray.get(self.placement.ready(), timeout=float(os.environ.get("TANDEM_PLACEMENT_TIMEOUT_S") or 120))
+        try:
+            ray.get(self.placement.ready(), timeout=config.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             hint = ("; a GPU per rank of each group: draft_placement 'colocated' puts the draft on the "
                     "target's GPUs" if cuda and dtp else "")
@@ -435,15 +436,15 @@ class RayExecutor:
         address = None
         if world > 1:  # rank 0's node picks the rendezvous port, so two engines never collide
             address = ray.get(ray.remote(_free_address).options(num_cpus=0, **placed(first_bundle)).remote())
-        # each rank's torch threads: the node's cores shared by the group's ranks; TANDEM_RANK_THREADS
-        # overrides (several replicas on one node: their groups would otherwise oversubscribe it)
-        threads = None if cuda else int(os.environ.get("TANDEM_RANK_THREADS") or max(1, (os.cpu_count() or 1) // world))
+        # each rank's torch threads: the node's cores shared by the group's ranks, unless the config
+        # says (several replicas on one node: their groups would otherwise oversubscribe it)
+        threads = None if cuda else self.config.rank_threads or max(1, (os.cpu_count() or 1) // world)
         colocated = role == "target" and self.config.colocated_draft()
         actor = ray.remote(ColocatedRanks if colocated else GroupRank)
         resources = {"num_gpus": 1, "num_cpus": 1} if cuda else {"num_cpus": 1}
         role_args = (self.config, self.target_vocab, self.vocab_mapping) if colocated else (
             role, self.config, self.target_vocab, self.vocab_mapping if role == "draft" else None)
-        return [actor.options(**resources, **placed(first_bundle + rank), runtime_env=ACTOR_ENV).remote(
+        return [actor.options(**resources, **placed(first_bundle + rank), runtime_env=actor_env(self.config)).remote(
                     *role_args, rank, world, address, threads, self._cores(first_bundle + rank))
                 for rank in range(world)]
 

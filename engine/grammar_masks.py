@@ -35,8 +35,9 @@ class _Matcher:
 
 
 class GrammarMasks:
-    def __init__(self, hf_tokenizer, eos_ids: set[int], vocab_size: int, threads: int = 1):
+    def __init__(self, hf_tokenizer, eos_ids: set[int], vocab_size: int, threads: int = 1, kernel: bool = True):
         self.hf_tokenizer, self.eos_ids, self.vocab = hf_tokenizer, sorted(eos_ids), vocab_size
+        self.kernel = kernel  # apply_bitmask's C++ kernel (EngineConfig.cpu_kernels)
         self.threads = max(1, threads)
         self._executor = None
         self._tokenizer = None

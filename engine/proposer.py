@@ -191,7 +191,7 @@ class DraftModelProposer:
         if self.mapping is None:
             some = (bitmask != 0).any(-1).tolist()
             rows = [i for i, ok in zip(at, some) if ok]
-            apply_bitmask(logits, rows, bitmask[torch.tensor(some)])
+            apply_bitmask(logits, rows, bitmask[torch.tensor(some)], kernel=self.grammars.kernel)
             return rows
         # TLI: a draft token is allowed when its target token is (outside the intersection: never)
         allowed = (allowed_at(bitmask, self.grammar_ids) & self.mapping.draft_mask).to(logits.device)

@@ -117,12 +117,13 @@ class Verifier:
             bitmask, refused, failed = self.grammars.greedy_masks(
                 [(batch.sampling[b].request_id, batch.sampling[b].num_output, row_drafts[b], u)
                  for b, u in zip(lazy, rows_best)])
-            apply_bitmask(flat, [firsts[lazy[i]] + j for i, j in refused], bitmask)
+            apply_bitmask(flat, [firsts[lazy[i]] + j for i, j in refused], bitmask, kernel=self.grammars.kernel)
             errors.update({lazy[i]: message for i, message in failed.items()})
         if full:
             bitmask, failed = self.grammars.masks([(batch.sampling[b].request_id, batch.sampling[b].num_output,
                                                     row_drafts[b]) for b in full])
-            apply_bitmask(flat, [firsts[b] + j for b in full for j in range(len(row_drafts[b]) + 1)], bitmask)
+            apply_bitmask(flat, [firsts[b] + j for b in full for j in range(len(row_drafts[b]) + 1)], bitmask,
+                          kernel=self.grammars.kernel)
             errors.update({full[i]: message for i, message in failed.items()})
         return errors
 

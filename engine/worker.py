@@ -36,15 +36,17 @@ def _return_freed_memory() -> None:
 class ModelWorker:
     def __init__(self, source: ModelSource, num_blocks: int | None, block_size: int, dtype: torch.dtype,
                  device: str = "cpu", rng_stream: str = "target", pack: bool = True,
-                 rank: int = 0, world: int = 1, group=None, gguf_blocks: bool = True):
+                 rank: int = 0, world: int = 1, group=None, gguf_blocks: bool = True, cpu_kernels: bool = True):
+        """cpu_kernels: EngineConfig's (False: no C++ kernel, every linear on oneDNN, GGUF tensors as
+        float32); where this machine can't build or run them it is False by itself."""
+        kernels = cpu_kernels and device == "cpu" and skinny_kernel_available()
         if source.kind == "hf_dir":  # each rank reads only its slices
             config, model = load_sharded(source, dtype, device, rank, world)
             self.model = shard(model, rank, world, group, sliced=True)
         else:
             config, state = load_state_dict(source)
             model = build_model(config, state, dtype=dtype, device=device)
-            if gguf_blocks and pack and source.kind == "gguf" and device == "cpu" and dtype == torch.float32 \
-                    and skinny_kernel_available():
+            if gguf_blocks and pack and source.kind == "gguf" and kernels and dtype == torch.float32:
                 # the file's own int8 blocks instead of float32 (bit-identical outputs, ~1/3 the bytes)
                 nbytes = use_blocks(model, read_block_weights(Path(source.path), state, config))
                 logger.info("%s: quantized weights kept as int8 blocks (%.0f MB)", Path(source.path).name,
@@ -54,7 +56,7 @@ class ModelWorker:
         if pack:
             self.model.fuse_projections()
             if device == "cpu" and dtype == torch.float32:
-                pack_linears(self.model)
+                pack_linears(self.model, skinny=kernels)
         _return_freed_memory()
         self.args = self.model.args
         self.hf_config = config

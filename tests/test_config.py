@@ -157,3 +157,27 @@ def test_sampling_params_defaults():
     p = SamplingParams(stop="###")
     assert p.stop == ["###"] and p.temperature == 1.0 and p.top_k == -1 and not p.greedy
     assert SamplingParams(temperature=0).greedy
+
+
+def test_cpu_knobs_are_engine_keys_the_environment_fills_and_the_config_overrides(monkeypatch):
+    from deployments.app import parse_args
+    from deployments.cli import serve_args_from_cli
+
+    plain = EngineConfig(model="m")
+    assert (plain.cpu_kernels, plain.rank_threads, plain.placement_timeout_s, plain.omp_spin_count) == (True, None, 120.0, 30000)
+    for var, value in (("TANDEM_SKINNY_KERNEL", "0"), ("TANDEM_RANK_THREADS", "3"),
+                       ("TANDEM_PLACEMENT_TIMEOUT_S", "7.5"), ("TANDEM_GOMP_SPINCOUNT", "0")):
+        monkeypatch.setenv(var, value)
+    from_env = EngineConfig(model="m")
+    assert (from_env.cpu_kernels, from_env.rank_threads, from_env.placement_timeout_s, from_env.omp_spin_count) == (False, 3, 7.5, 0)
+    given = EngineConfig(model="m", cpu_kernels=True, rank_threads=1)  # the config wins
+    assert given.cpu_kernels is True and given.rank_threads == 1 and given.placement_timeout_s == 7.5
+    cli = serve_args_from_cli(["m", "--no-cpu-kernels", "--rank-threads", "2", "--placement-timeout-s", "30",
+                               "--omp-spin-count", "1000"])["args"]
+    config = parse_args(cli).engine_config()
+    assert (config.cpu_kernels, config.rank_threads, config.placement_timeout_s, config.omp_spin_count) == (False, 2, 30.0, 1000)
+    monkeypatch.setenv("TANDEM_RANK_THREADS", "zero")
+    with pytest.raises(ValueError, match="rank_threads"):
+        EngineConfig(model="m")
+    with pytest.raises(ValueError, match="placement_timeout_s"):
+        EngineConfig(model="m", rank_threads=1, placement_timeout_s=-1)

@@ -176,30 +176,21 @@ def test_whole_layers_in_one_call_give_the_per_op_kernel_path_bit_for_bit(name):
     assert torch.equal(outs[True].view(torch.int32), outs[False].view(torch.int32))
 
 
-def test_without_the_kernels_a_model_runs_on_pytorch_ops():
-    """TANDEM_SKINNY_KERNEL=0 (as without AVX-512 or a compiler): no decode-layer kernels are used, and
-    a packed model still decodes, to the same greedy tokens as with them."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
+def test_without_the_kernels_a_model_runs_on_pytorch_ops(monkeypatch):
+    """cpu_kernels=False (what a machine without AVX-512 or a compiler gets by itself; also
+    TANDEM_CPU_KERNELS=0 in the environment): no decode-layer kernels are used, and a packed model
+    still decodes, to the same greedy tokens as with them."""
+    from engine import LLM, SamplingParams
 
-    script = textwrap.dedent("""
-        import torch
-        from engine import LLM, SamplingParams
-        from engine.models.skinny import skinny_kernel_available
-        llm = LLM(model="random:tiny-gemma3")
-        model = llm.executor.target.worker.model
-        print(skinny_kernel_available(), model.cpu_kernels, model.decode_layers is not None)
-        out = llm.generate("hello there", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-        print(out[0].outputs[0].token_ids)
-    """)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = {}
-    for flag in ("0", "1"):
-        run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TANDEM_SKINNY_KERNEL": flag},
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
-        outputs[flag] = run.stdout.strip().splitlines()[-2:]
-    assert outputs["0"][0] == "False False False"
-    assert outputs["1"][0] == "True True True"
-    assert outputs["0"][1] == outputs["1"][1]
+    for kernels, env in ((True, None), (False, None), (None, "0")):
+        if env is not None:
+            monkeypatch.setenv("TANDEM_CPU_KERNELS", env)
+        llm = LLM(model="random:tiny-gemma3", **({} if kernels is None else {"cpu_kernels": kernels}))
+        model = llm.executor.target.worker.model
+        on = kernels is not False and env is None
+        assert llm.config.cpu_kernels is on
+        assert model.cpu_kernels is on and (model.decode_layers is not None) is on
+        outputs[(kernels, env)] = llm.generate("hello there", params)[0].outputs[0].token_ids
+    assert len(set(map(tuple, outputs.values()))) == 1

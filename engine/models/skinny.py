@@ -43,8 +43,6 @@ def _cpu_has_avx512() -> bool:
 @functools.lru_cache(maxsize=None)
 def skinny_kernel_available() -> bool:
     """Build (first time only) and load the kernel; False with a logged reason if it can't be."""
-    if os.environ.get("TANDEM_SKINNY_KERNEL", "1") == "0":
-        return False
     if not _cpu_has_avx512():
         logger.info("skinny linear kernel: CPU has no AVX-512; using oneDNN for every linear")
         return False
