@@ -23,7 +23,7 @@ from engine.chat import chat_prompt_ids, end_of_turn_ids
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestDelta, RequestStream
 from engine.config import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.core import TokenizedPrompt
-from engine.errors import INTERNAL_ERROR
+from engine.errors import INTERNAL_ERROR, ErrorKind
 from engine.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -748,12 +748,12 @@ class RequestLayer:
 
 def delta_error(delta: RequestDelta) -> RequestError:
     """A request that ended with an error, as the client sees it."""
-    kind = delta.error_kind or ("invalid_request" if delta.finish_reason == "rejected" else "internal")
-    if kind == "invalid_request":
+    kind = delta.error_kind or (ErrorKind.INVALID_REQUEST if delta.finish_reason == "rejected" else ErrorKind.INTERNAL)
+    if kind is ErrorKind.INVALID_REQUEST:
         return bad_request(delta.error or "invalid request")
-    if kind == "unavailable":
+    if kind is ErrorKind.UNAVAILABLE:
         return RequestError(503, delta.error or "service unavailable", "unavailable_error", code="unavailable")
-    return RequestError(500, delta.error or INTERNAL_ERROR, "internal_error")
+    return RequestError(500, delta.error or INTERNAL_ERROR.message, "internal_error")
 
 
 @dataclass

@@ -14,11 +14,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.config import EngineConfig, SamplingParams, check_cache_salt
 from engine.core import EngineCore
-from engine.errors import INTERNAL_ERROR, error_kind
+from engine.errors import INTERNAL_ERROR, QUEUE_FAILED, ErrorKind, RequestFailure
 from engine.metrics import CacheLogger, SpecDecodeLogger, SpecDecodeStats
 from engine.scheduler import Sequence
 from engine.step import TokenLogprob
@@ -37,10 +37,26 @@ class RequestDelta:
     num_output_tokens: int = 0
     stats: SpecDecodeStats | None = None  # on the last delta
     error: str | None = None  # safe to show a client
-    error_kind: str | None = None  # engine.errors.error_kind: invalid_request | internal | unavailable
+    error_kind: ErrorKind | None = None  # with error: what decides the client's status
     logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token in token_ids
     # with prompt_logprobs, on the first delta: None, then one per token
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class AddRequest(NamedTuple):
+    """The loop thread's command: queue this request in the scheduler."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+
+
+class AbortRequest(NamedTuple):
+    """The loop thread's command: end this request (its stream gets what it has, finish "abort")."""
+
+    request_id: str
 
 
 class QueueFullError(RuntimeError):
@@ -83,7 +99,7 @@ class AsyncEngine:
         self.tokenizer = self.core.tokenizer
         self.max_queued_requests = max_queued_requests
         self._lock = threading.Condition()
-        self._pending: list[tuple[Any, ...]] = []  # adds and aborts for the loop thread
+        self._pending: list[AddRequest | AbortRequest] = []  # for the loop thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, dict]] = {}
         self._ids = itertools.count()
         self._stopped = False
@@ -112,7 +128,7 @@ class AsyncEngine:
         return len(self.core.scheduler.running)
 
     def num_waiting(self) -> int:
-        return len(self.core.scheduler.waiting) + sum(1 for p in self._pending if p[0] == "add")
+        return len(self.core.scheduler.waiting) + sum(isinstance(p, AddRequest) for p in self._pending)
 
     def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> RequestStream:
@@ -131,13 +147,13 @@ class AsyncEngine:
             if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
                 raise QueueFullError(f"queue is full ({self.max_queued_requests} requests waiting); retry later")
             self._streams[request_id] = (asyncio.get_running_loop(), queue, {"tokens": 0, "text": 0, "arrived": time.monotonic(), "last": None})
-            self._pending.append(("add", request_id, text, ids, params, cache_salt))
+            self._pending.append(AddRequest(request_id, text, ids, params, cache_salt))
             self._lock.notify()
         return RequestStream(self, request_id, queue)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._pending.append(("abort", request_id))
+            self._pending.append(AbortRequest(request_id))
             self._lock.notify()
 
     def shutdown(self) -> None:
@@ -160,24 +176,24 @@ class AsyncEngine:
                 if self._stopped:
                     return
                 pending, self._pending = self._pending, []
-            for item in pending:
-                if item[0] == "add":
-                    _, rid, text, ids, params, salt = item
+            for command in pending:
+                if isinstance(command, AddRequest):
+                    rid = command.request_id
                     try:
-                        sched.add(rid, text, ids, params, salt)
+                        sched.add(rid, command.prompt, command.prompt_ids, command.params, command.cache_salt)
                     except ValueError as e:
-                        self._emit_error(rid, str(e))
+                        self._emit_error(rid, RequestFailure.invalid(str(e)))
                     except Exception:  # noqa: BLE001 - one request's problem, never the loop's
                         log.exception("request %s could not be queued", rid)
-                        self._emit_error(rid, "internal error while queueing this request")
+                        self._emit_error(rid, QUEUE_FAILED)
                 else:
                     try:
-                        seq = sched.abort(item[1])
+                        seq = sched.abort(command.request_id)
                         if seq is not None:
                             self._emit(seq)
                     except Exception:  # noqa: BLE001 - an abort must never stop the loop
-                        log.exception("aborting request %s failed", item[1])
-                    self._streams.pop(item[1], None)
+                        log.exception("aborting request %s failed", command.request_id)
+                    self._streams.pop(command.request_id, None)
             try:
                 seqs = sched.step()
             except Exception:  # a bug must fail requests, not kill the loop that serves them
@@ -192,12 +208,12 @@ class AsyncEngine:
             self._spec_log.maybe_log(sched.stats, time.monotonic(), log)
             self._cache_log.maybe_log({"target": sched.target_kv, "draft": sched.draft_kv}, time.monotonic(), log)
 
-    def _emit_error(self, request_id: str, message: str) -> None:
+    def _emit_error(self, request_id: str, failure: RequestFailure) -> None:
         stream = self._streams.pop(request_id, None)
         if stream:
             loop, queue, _ = stream
             loop.call_soon_threadsafe(queue.put_nowait, RequestDelta(request_id, [], "", "rejected",
-                                                                 error=message, error_kind=error_kind(message)))
+                                                                 error=failure.message, error_kind=failure.kind))
 
     def _emit(self, seq: Sequence) -> None:
         stream = self._streams.get(seq.request_id)
@@ -207,7 +223,8 @@ class AsyncEngine:
         text, visible = seq.text, seq.visible_text()  # a split character or a stop string's start waits
         delta = RequestDelta(seq.request_id, seq.output_ids[sent["tokens"]:], text[sent["text"]:visible],
                              seq.finish_reason, seq.stop_reason, num_output_tokens=len(seq.output_ids),
-                             error=seq.error, error_kind=error_kind(seq.error) if seq.error else None)
+                             error=seq.error.message if seq.error else None,
+                             error_kind=seq.error.kind if seq.error else None)
         if seq.params.logprobs is not None:
             delta.logprobs = seq.logprobs[sent["tokens"]:]
         if sent["tokens"] == 0:

@@ -7,7 +7,34 @@ meant for clients never carry internals; the log keeps the detail under the requ
 """
 from __future__ import annotations
 
-INTERNAL_ERROR = "internal error while generating this request"
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ErrorKind(str, Enum):
+    """What a request's failure was, which decides what its client gets."""
+
+    INVALID_REQUEST = "invalid_request"  # its own parameters or numbers: 400 / INVALID_ARGUMENT
+    INTERNAL = "internal"  # our bug: 500 / INTERNAL
+    UNAVAILABLE = "unavailable"  # a model worker died: 503 / UNAVAILABLE, retry it
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why a request ended in an error: its kind, and a message safe to show its client."""
+
+    kind: ErrorKind
+    message: str
+
+    @staticmethod
+    def invalid(message: str) -> "RequestFailure":
+        return RequestFailure(ErrorKind.INVALID_REQUEST, message)
+
+
+INTERNAL_ERROR = RequestFailure(ErrorKind.INTERNAL, "internal error while generating this request")
+QUEUE_FAILED = RequestFailure(ErrorKind.INTERNAL, "internal error while queueing this request")
+WORKER_FAILED = RequestFailure(ErrorKind.UNAVAILABLE,
+                               "the model workers failed while generating this request; retry it")
 
 
 class ExecutorError(RuntimeError):
@@ -16,16 +43,3 @@ class ExecutorError(RuntimeError):
 
 class StepError(RuntimeError):
     """A worker raised while running a step; its process is alive and its state is intact."""
-
-
-WORKER_FAILED = "the model workers failed while generating this request; retry it"
-
-
-def error_kind(message: str) -> str:
-    """'internal' (our bug), 'unavailable' (a worker died: retry) or 'invalid_request' (its own numbers)."""
-    if message == INTERNAL_ERROR or message.startswith("internal error"):
-        return "internal"
-    if message == WORKER_FAILED:
-        return "unavailable"
-    return "invalid_request"
-

@@ -150,7 +150,7 @@ class LLM:
                 done = now
         if bar is not None:
             bar.close()
-        errors = {s.error for s in seqs if s.error}
+        errors = {s.error.message for s in seqs if s.error}
         if errors:
             raise RuntimeError(f"generation failed: {'; '.join(sorted(errors))}")
         return [RequestOutput.from_sequences(request_id, group, self.tokenizer) for request_id, group in requests]

@@ -21,7 +21,7 @@ from engine.adaptive import AcceptanceEstimate, BatchCosts, SpeculationGate, ada
 from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, StepError
+from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, RequestFailure, StepError
 from engine.executor import Executor
 from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
@@ -58,7 +58,7 @@ class Sequence:
     ahead: list[int] | None = None
     detokenizer: IncrementalDetokenizer | None = None  # its output text, token by token
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
+    error: RequestFailure | None = None  # with finish_reason "error"
     stop_reason: int | str | None = None
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
@@ -293,7 +293,7 @@ class Scheduler:
                         if i not in result.ahead.errors}
         for b, seq in enumerate(rows):
             if b in result.errors:
-                self._fail(seq, result.errors[b])
+                self._fail(seq, RequestFailure.invalid(result.errors[b]))  # the row's own numbers
                 continue
             k = ks[b]
             if b in drafting and seq.grammar is not None:
@@ -445,18 +445,18 @@ class Scheduler:
             (rates[-1] / rates[-2] if len(rates) > 1 and rates[-2] > 0 else rates[0])
         return self._synthetic_rng.random() < p
 
-    def _fail(self, seq: Sequence, message: str) -> None:
-        seq.finish_reason, seq.error = "error", message
+    def _fail(self, seq: Sequence, failure: RequestFailure) -> None:
+        seq.finish_reason, seq.error = "error", failure
         self._release(seq)
 
-    def fail_running(self, message: str) -> list[Sequence]:
+    def fail_running(self, failure: RequestFailure) -> list[Sequence]:
         """A model group died: end every running sequence with the error; the next step rebuilds the
         groups (so these errors reach their clients now, not after a placement that may wait for a
         lost node). Waiting requests keep their place and run on the new groups; while the groups
         can't be rebuilt, each step tries again and fails the waiting requests (503, not a hang)."""
         failed = list(self.running)
         for seq in failed:
-            seq.finish_reason, seq.error = "error", message
+            seq.finish_reason, seq.error = "error", failure
             self._free_blocks(seq)
         self.running.clear()
         # the new groups' caches hold nothing: no cached block may be hit, and preempted requests
