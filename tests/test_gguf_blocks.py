@@ -159,7 +159,7 @@ def test_a_model_on_blocks_gives_the_float32_logits_bit_for_bit_in_less_memory(m
     def weight_bytes(worker):
         tensors = {id(t): t.nbytes for t in worker.model.parameters()}
         for module in worker.model.modules():
-            for t in (getattr(module, "packed_weight", None),):
+            for t in (getattr(module, "packed", None),):
                 if t is not None:
                     tensors[id(t)] = t.numel() * 4
             blocks = getattr(module, "blocks", None)

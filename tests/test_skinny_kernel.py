@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.models.linear import linear, pack_linears
+from engine.models.linear import PackedLinear, pack_linears
 from engine.models.skinny import MAX_ROWS, skinny_kernel_available
 
 pytestmark = pytest.mark.skipif(not skinny_kernel_available(), reason="no AVX-512 or no compiler on this machine")
@@ -53,10 +53,11 @@ def test_linear_uses_both_kernels_and_they_agree():
     layer = torch.nn.Linear(64, 48, bias=True)
     model = torch.nn.Sequential(layer)
     assert pack_linears(model, skinny=True) == 1
+    assert isinstance(model[0], PackedLinear) and model[0].skinny
     for rows in (1, 5, MAX_ROWS, MAX_ROWS + 1, 100):  # skinny kernel, then oneDNN
         x = torch.randn(rows, 64)
         ref = x.double() @ layer.weight.double().T + layer.bias.double()
-        rel = ((linear(x, layer).double() - ref).abs().max() / ref.abs().max()).item()
+        rel = ((model[0](x).double() - ref).abs().max() / ref.abs().max()).item()
         assert rel < 1e-5
 
 
@@ -65,16 +66,17 @@ def test_without_the_kernel_a_tied_lm_head_runs_on_onednn():
     including an LM head that keeps its dense weight because the embedding shares it, runs on oneDNN."""
     from torch import nn
 
-    from engine.models.linear import linear, pack_linears
+    from engine.models.linear import pack_linears
 
     model = nn.Module()
     model.embed = nn.Embedding(50, 16)
     model.lm_head = nn.Linear(16, 50, bias=False)
     model.lm_head.weight = model.embed.weight
     assert pack_linears(model, skinny=False) == 1
-    assert model.lm_head.skinny is False
+    assert isinstance(model.lm_head, PackedLinear) and not model.lm_head.skinny
+    assert model.lm_head.weight is model.embed.weight  # kept: the embedding shares it
     x = torch.randn(3, 16)
-    assert torch.allclose(linear(x, model.lm_head), x @ model.embed.weight.T, atol=1e-5)
+    assert torch.allclose(model.lm_head(x), x @ model.embed.weight.T, atol=1e-5)
 
 
 def test_a_cpu_whose_os_refuses_the_instructions_falls_back_with_a_log_line(tmp_path):

@@ -1,15 +1,19 @@
-"""Linear layers on the fastest CPU kernel for the step's row count, chosen per call.
+"""Linear and embedding layers by weight form, as modules (gpt-fast's quantize.py swaps them in):
 
-- up to skinny.MAX_ROWS rows (decode and verify steps, short prompts): our AVX-512 kernel. It reads each weight
-  line once for all rows, so a verify step of K+1 tokens costs little more than a decode step, and
-  a row's result does not depend on the other rows (1-token and K+1-token steps agree bit for bit).
-- more rows (prefill): oneDNN with a pre-packed weight (MKL's sgemm is 2-3x slower here).
+- `nn.Linear` / `nn.Embedding`: what a model is built and loaded with; F.linear (other dtypes and
+  devices, before packing).
+- `PackedLinear` (CPU, float32, after `pack_linears`): up to skinny.MAX_ROWS rows (decode and verify
+  steps, short prompts) our AVX-512 kernel, which reads each weight line once for all rows, so a
+  verify step of K+1 tokens costs little more than a decode step, and a row's result does not
+  depend on the other rows (1-token and K+1-token steps agree bit for bit); more rows (prefill)
+  oneDNN with a pre-packed weight (MKL's sgemm is 2-3x slower here). It holds the weight twice.
+- `BlockLinear` / `BlockEmbedding`: a GGUF model's quantized tensors as blocks (gguf_blocks.py;
+  `use_blocks` swaps them in, `pack_linears` packs them into the kernel's layout, at the file's own
+  bytes where exact): the block kernel for small steps, the weight dequantized for the call in
+  prefill; bit-identical to the float32 layers.
 
-Both need their own copy of the weight, so float32 linears on CPU hold their weights twice.
-A GGUF model's quantized linears and embedding instead hold blocks (`use_blocks`, gguf_blocks.py;
-packed by `pack_linears` into the kernel's layout, at the file's own bytes where exact): the block
-kernel for small steps, the weight dequantized for the call in prefill; bit-identical to the float32
-layers. Other dtypes and devices use F.linear.
+Every form answers `in_features` / `out_features`, and `dense()` gives its float32 nn.Linear back (a
+tensor-parallel shard that would cut through blocks, a fused q|k|v whose parts differ).
 """
 from __future__ import annotations
 
@@ -25,71 +29,111 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    blocks = getattr(layer, "blocks", None)
-    if blocks is not None:
-        if isinstance(blocks, BlockWeight):  # not through pack_linears: pack on first use
-            blocks = layer.blocks = blocks.packed()
+def _frozen(t: Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def dense_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = _frozen(weight)
+    if bias is not None:
+        layer.bias = _frozen(bias)
+    return layer
+
+
+class PackedLinear(nn.Module):
+    """A float32 CPU linear on the skinny kernel (small steps) and oneDNN (prefill)."""
+
+    def __init__(self, layer: nn.Linear, skinny: bool, keep_dense: bool):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.skinny = skinny
+        self.packed = layer.weight.detach().to_mkldnn()
+        # the skinny kernel reads the dense weight; without it only a weight another module shares
+        # (a tied LM head's embedding table) stays
+        self.weight = _frozen(layer.weight.detach().contiguous()) if skinny else \
+            layer.weight if keep_dense else _frozen(torch.empty(0))
+        self.bias = layer.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.skinny and flat.shape[0] <= MAX_ROWS:
+            out = torch.ops.tandem.skinny_linear(flat.contiguous(), self.weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def dense(self) -> nn.Linear:
+        return dense_linear(self.weight if self.weight.numel() else self.packed.to_dense(), self.bias)
+
+
+class BlockLinear(nn.Module):
+    """A linear whose weight is GGUF blocks: W = scale * q + offset, never held as float32."""
+
+    def __init__(self, blocks: BlockWeight | PackedBlocks, bias: Tensor | None = None):
+        super().__init__()
+        self.blocks = blocks
+        self.out_features, self.in_features = blocks.shape
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.blocks, BlockWeight):  # not through pack_linears: pack on first use
+            self.blocks = self.blocks.packed()
+        b = self.blocks
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= MAX_ROWS:
-            out = torch.ops.tandem.block_linear(flat.contiguous(), blocks.q, blocks.scale_offset, blocks.zero,
-                                                blocks.rows, layer.bias)
+            out = torch.ops.tandem.block_linear(flat.contiguous(), b.q, b.scale_offset, b.zero, b.rows, self.bias)
         else:  # prefill: the float32 path's own oneDNN call, on this call's dequantized copy
-            weight = torch.ops.tandem.block_dequantize(blocks.q, blocks.scale_offset, blocks.zero, blocks.rows)
-            out = torch.ops.mkldnn._linear_pointwise(flat, weight, layer.bias, "none", [], "")
+            weight = torch.ops.tandem.block_dequantize(b.q, b.scale_offset, b.zero, b.rows)
+            out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
-    packed = getattr(layer, "packed_weight", None)
-    if packed is None:
-        return F.linear(x, layer.weight, layer.bias)
-    flat = x.reshape(-1, x.shape[-1])
-    if layer.skinny and flat.shape[0] <= MAX_ROWS:
-        out = torch.ops.tandem.skinny_linear(flat.contiguous(), layer.weight, layer.bias)
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed, layer.bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+
+    def dense(self) -> nn.Linear:
+        return dense_linear(self.blocks.dequantize(), self.bias)
 
 
-def embedding(tokens: Tensor, layer: nn.Embedding) -> Tensor:
-    blocks = getattr(layer, "blocks", None)
-    return layer(tokens) if blocks is None else blocks.dequantize(tokens)
+class BlockEmbedding(nn.Module):
+    """An embedding table as GGUF blocks: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, blocks: BlockWeight | PackedBlocks):
+        super().__init__()
+        self.blocks = blocks
+        self.num_embeddings, self.embedding_dim = blocks.shape
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.blocks.dequantize(tokens)
 
 
-def out_features(layer: nn.Linear) -> int:
-    blocks = getattr(layer, "blocks", None)
-    return (blocks if blocks is not None else layer.weight).shape[0]
+def dense(layer: nn.Module) -> nn.Linear:
+    """The float32 nn.Linear of any linear form."""
+    return layer if type(layer) is nn.Linear else layer.dense()
 
 
-def set_blocks(layer: nn.Module, blocks: BlockWeight | None) -> None:
-    """Give a linear or embedding its weights as blocks (releasing the float32 copy), or, with
-    None, back as float32."""
-    if blocks is None:
-        old = getattr(layer, "blocks", None)
-        if old is not None:
-            layer.weight = nn.Parameter(old.dequantize(), requires_grad=False)
-    else:
-        layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-    layer.blocks = blocks
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 def use_blocks(model: nn.Module, blocks: dict[str, BlockWeight]) -> int:
-    """Swap the float32 weights of `model` (a Transformer, before sharding) named in `blocks`
-    for those blocks; a tied LM head shares the embedding's. Returns the bytes the blocks take."""
-    modules = dict(model.named_modules())
+    """Swap the float32 layers of `model` (a Transformer, before sharding) named in `blocks` for
+    block layers; a tied LM head shares the embedding's blocks. Returns the bytes the blocks take."""
     for name, weight in blocks.items():
-        set_blocks(modules[name.removesuffix(".weight")], weight)
-    embed, head = model.model.embed_tokens, model.lm_head
-    if model.args.tie_word_embeddings and getattr(embed, "blocks", None) is not None:
-        set_blocks(head, embed.blocks)
+        name = name.removesuffix(".weight")
+        old = model.get_submodule(name)
+        _replace(model, name, BlockEmbedding(weight) if isinstance(old, nn.Embedding) else BlockLinear(weight, old.bias))
+    embed = model.model.embed_tokens
+    if model.args.tie_word_embeddings and isinstance(embed, BlockEmbedding):
+        model.lm_head = BlockLinear(embed.blocks)
     return sum(w.nbytes for w in blocks.values())
 
 
 def pack_linears(model: nn.Module, skinny: bool | None = None) -> int:
-    """Prepare every float32 CPU nn.Linear for `linear`. Returns how many.
+    """Prepare a model's CPU float32 linears for inference. Returns how many became PackedLinear.
 
-    Each gets a oneDNN-packed copy of its weight. The dense weight is kept for the skinny kernel
-    when that is available (skinny=None: if it builds here), else released unless another module
-    shares it (a tied LM head keeps the embedding table). Block weights take their packed form
-    (BlockWeight.packed: the same values in fewer bytes).
+    Each nn.Linear becomes a PackedLinear (a oneDNN-packed copy; the dense weight kept for the skinny
+    kernel when `skinny`, None: if it builds here). Block layers take their packed form
+    (BlockWeight.packed: the same values in fewer bytes). Then the model's C++ decode layers are
+    built where they can run.
     """
     if not onednn_available():
         return 0
@@ -99,24 +143,14 @@ def pack_linears(model: nn.Module, skinny: bool | None = None) -> int:
         model.cpu_kernels = True
     packed: dict[int, PackedBlocks] = {}  # a tied LM head shares its embedding's blocks
     for module in model.modules():
-        blocks = getattr(module, "blocks", None)
-        if isinstance(blocks, BlockWeight):
-            if id(blocks) not in packed:
-                packed[id(blocks)] = blocks.packed()
-            module.blocks = packed[id(blocks)]
+        if isinstance(module, (BlockLinear, BlockEmbedding)) and isinstance(module.blocks, BlockWeight):
+            module.blocks = packed.setdefault(id(module.blocks), module.blocks.packed())
     shared = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
               if not name.endswith(("_proj.weight", "lm_head.weight"))}
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and getattr(module, "blocks", None) is None \
-                and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
-            module.packed_weight = module.weight.detach().to_mkldnn()
-            module.skinny = skinny
-            if skinny:
-                module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
-            elif id(module.weight) not in shared:
-                module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-            count += 1
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    for name, layer in linears:
+        _replace(model, name, PackedLinear(layer, skinny, keep_dense=id(layer.weight) in shared))
     if getattr(model, "cpu_kernels", False):
         model.build_decode_layers()
-    return count
+    return len(linears)

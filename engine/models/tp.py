@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.gguf_blocks import SPAN
-from engine.models.linear import out_features, set_blocks
+from engine.models.linear import BlockLinear, dense_linear as _dense, dense
 from engine.models.transformer import Transformer
 
 
@@ -29,27 +29,21 @@ def row_range(total: int, rank: int, world: int, heads: int | None = None) -> tu
     return rank * rows, (rank + 1) * rows
 
 
-def _keep_rows(layer: nn.Linear, rank: int, world: int, heads: int | None = None) -> None:
-    a, b = row_range(out_features(layer), rank, world, heads)
-    blocks = getattr(layer, "blocks", None)
-    if blocks is not None:
-        set_blocks(layer, blocks.rows(a, b))
-    else:
-        layer.weight = nn.Parameter(layer.weight[a:b].clone(), requires_grad=False)
-    if layer.bias is not None:
-        layer.bias = nn.Parameter(layer.bias[a:b].clone(), requires_grad=False)
+def _keep_rows(layer: nn.Module, rank: int, world: int, heads: int | None = None) -> nn.Module:
+    a, b = row_range(layer.out_features, rank, world, heads)
+    bias = nn.Parameter(layer.bias[a:b].clone(), requires_grad=False) if layer.bias is not None else None
+    if isinstance(layer, BlockLinear):
+        return BlockLinear(layer.blocks.rows(a, b), bias)
+    return _dense(layer.weight[a:b].clone(), bias)
 
 
-def _keep_cols(layer: nn.Linear, rank: int, world: int) -> None:
-    blocks = getattr(layer, "blocks", None)
-    if blocks is not None:
-        cols = blocks.shape[1] // world
-        if cols % blocks.group == 0 and cols % SPAN == 0:
-            set_blocks(layer, blocks.cols(rank * cols, (rank + 1) * cols))
-            return
-        set_blocks(layer, None)  # the shard would cut through blocks or the kernel's spans: float32
-    cols = layer.weight.shape[1] // world
-    layer.weight = nn.Parameter(layer.weight[:, rank * cols : (rank + 1) * cols].clone(), requires_grad=False)
+def _keep_cols(layer: nn.Module, rank: int, world: int) -> nn.Module:
+    cols = layer.in_features // world
+    if isinstance(layer, BlockLinear):
+        if cols % layer.blocks.group == 0 and cols % SPAN == 0:
+            return BlockLinear(layer.blocks.cols(rank * cols, (rank + 1) * cols), layer.bias)
+        layer = dense(layer)  # the shard would cut through blocks or the kernel's spans: float32
+    return _dense(layer.weight[:, rank * cols : (rank + 1) * cols].clone(), layer.bias)
 
 
 def check_shardable(args, world: int) -> None:
@@ -90,12 +84,9 @@ def shard(model: Transformer, rank: int, world: int, group, sliced: bool = False
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not sliced:
-            for proj in (attn.q_proj, mlp.gate_proj, mlp.up_proj):
-                _keep_rows(proj, rank, world)
-            for proj in (attn.k_proj, attn.v_proj):
-                _keep_rows(proj, rank, world, attn.num_kv_heads)
-            _keep_cols(attn.o_proj, rank, world)
-            _keep_cols(mlp.down_proj, rank, world)
+            attn.q_proj, mlp.gate_proj, mlp.up_proj = (_keep_rows(p, rank, world) for p in (attn.q_proj, mlp.gate_proj, mlp.up_proj))
+            attn.k_proj, attn.v_proj = (_keep_rows(p, rank, world, attn.num_kv_heads) for p in (attn.k_proj, attn.v_proj))
+            attn.o_proj, mlp.down_proj = _keep_cols(attn.o_proj, rank, world), _keep_cols(mlp.down_proj, rank, world)
         attn.num_heads //= world
         attn.num_kv_heads = max(1, attn.num_kv_heads // world)
         attn.tp_group = mlp.tp_group = group

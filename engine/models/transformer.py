@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models.gguf_blocks import BlockWeight
-from engine.models.linear import embedding, linear, set_blocks
+from engine.models.linear import BlockLinear, PackedLinear, dense
 from engine.models.skinny import MAX_ROWS
 
 
@@ -163,7 +163,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if ctx.cpu_kernels and T <= SMALL_QUERY_ROWS and getattr(self, "qkv_proj", None) is not None:
             # one kernel from q|k|v to the attention output: norms, rotary, the cache write, attention
-            qkv = linear(x, self.qkv_proj).view(B * T, -1)
+            qkv = self.qkv_proj(x).view(B * T, -1)
             cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
             qk = self.q_norm is not None
             out = torch.ops.tandem.decode_attention(
@@ -174,9 +174,9 @@ class Attention(nn.Module):
             return self._project_out(out.view(B, T, -1))
         if getattr(self, "qkv_proj", None) is not None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         else:
-            q, k, v = linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, -1, self.head_dim)
         k = k.view(B, T, -1, self.head_dim)
         v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
@@ -186,12 +186,17 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         keys, values = ctx.cache.update(self.layer, ctx.tables, ctx.positions, k, v, ctx.key_len, ctx.read_blocks)
-        mask = ctx.global_mask if self.window is None else ctx.window_mask(self.window)
+        if self.window is None:
+            mask = ctx.global_mask
+        else:  # keys before the step's window are masked for every query: don't compute them
+            first = ctx.window_start(self.window)
+            mask = ctx.window_mask(self.window)[..., first:]
+            keys, values = keys[:, :, first:], values[:, :, first:]
         out = attention(q, keys, values, mask, self.scale)  # [B, H, T, D]
         return self._project_out(out.transpose(1, 2).reshape(B, T, -1))
 
     def _project_out(self, out: Tensor) -> Tensor:
-        out = linear(out, self.o_proj)
+        out = self.o_proj(out)
         if self.tp_group is not None:  # row-parallel o_proj: sum the ranks' partial outputs
             torch.distributed.all_reduce(out, group=self.tp_group)
         return out
@@ -219,20 +224,15 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
     return torch.matmul(probs, values).view(B, H, T, D)
 
 
-def _concat_linears(*layers: nn.Linear) -> nn.Linear:
-    blocks = [getattr(l, "blocks", None) for l in layers]
-    if any(b is None for b in blocks):  # some parts float32: all float32
-        for layer in layers:
-            set_blocks(layer, None)
-        blocks = None
-    weight = BlockWeight.cat(blocks) if blocks else torch.cat([l.weight for l in layers])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, device="meta")
-    if blocks:
-        set_blocks(fused, weight)
-    else:
-        fused.weight = nn.Parameter(weight, requires_grad=False)
-    if layers[0].bias is not None:
-        fused.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
+def _concat_linears(*layers: nn.Module) -> nn.Module:
+    """One layer whose output rows are those of `layers` in order: blocks if every part is blocks,
+    else float32."""
+    bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False) if layers[0].bias is not None else None
+    if all(isinstance(l, BlockLinear) for l in layers):
+        return BlockLinear(BlockWeight.cat([l.blocks for l in layers]), bias)
+    fused = nn.Linear(layers[0].in_features, sum(l.out_features for l in layers), bias=bias is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat([dense(l).weight for l in layers]), requires_grad=False)
+    fused.bias = bias
     return fused
 
 
@@ -257,15 +257,15 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, cpu_kernels: bool = False) -> Tensor:
         if cpu_kernels and getattr(self, "gate_up_proj", None) is not None:
-            gate_up = linear(x, self.gate_up_proj)
+            gate_up = self.gate_up_proj(x)
             hidden = torch.ops.tandem.gated_act(gate_up.view(-1, gate_up.shape[-1]), self.gelu)
-            out = linear(hidden.view(*x.shape[:-1], -1), self.down_proj)
+            out = self.down_proj(hidden.view(*x.shape[:-1], -1))
         else:
             if getattr(self, "gate_up_proj", None) is not None:
-                gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+                gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             else:
-                gate, up = linear(x, self.gate_proj), linear(x, self.up_proj)
-            out = linear(self.act(gate) * up, self.down_proj)
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            out = self.down_proj(self.act(gate) * up)
         if self.tp_group is not None:  # row-parallel down_proj
             torch.distributed.all_reduce(out, group=self.tp_group)
         return out
@@ -281,8 +281,17 @@ class DecoderLayer(nn.Module):
         self.sandwich = args.sandwich_norm
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.kernel = None  # this layer as one C++ call (csrc/decode_layer.cpp): Transformer.build_decode_layers
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+        if self.kernel is not None and ctx.small_step:
+            # the same kernels as the per-op path below, in the same order: bit-identical, one call
+            B, T, _ = x.shape
+            i = self.self_attn.layer
+            cos, sin = ctx.rope[ctx.layer_rope[i]]
+            out = self.kernel.forward(x.reshape(B * T, -1).contiguous(), ctx.positions, ctx.tables,
+                                      ctx.cache.k[i], ctx.cache.v[i], cos, sin)
+            return out.view(B, T, -1)
         k = ctx.cpu_kernels
         if self.sandwich:  # Gemma: norm around each sub-block, residual outside
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x, k), ctx), k)
@@ -306,9 +315,11 @@ class ForwardContext:
                  cpu_kernels: bool = False):
         self.cache, self.tables, self.positions = cache, tables, positions  # tables [B, blocks], positions [B, T]
         self.cpu_kernels = cpu_kernels
+        self.small_step = False  # a decode or verify step of few rows: each layer's C++ call, where built
         self.layer_rope = args.layer_rope
         self._global_mask: Tensor | None = None
         self._window_masks: dict[int, Tensor] = {}
+        self._lowest: int | None = None
         self.rope = {}
         for kind, freq in args.rope_inv_freq.items():
             inv = torch.tensor(freq, dtype=torch.float32, device=positions.device)
@@ -335,6 +346,13 @@ class ForwardContext:
             self._global_mask = self.causal_delta >= 0
         return self._global_mask
 
+    def window_start(self, window: int) -> int:
+        """The first key position any query of this forward sees through a sliding window (a long
+        prompt's later chunks attend to a window's keys in these layers, not to the whole prefix)."""
+        if self._lowest is None:
+            self._lowest = int(self.positions.min())
+        return max(0, self._lowest - window + 1)
+
     def window_mask(self, window: int) -> Tensor:
         if window not in self._window_masks:
             self._window_masks[window] = self.global_mask & (self.causal_delta < window)
@@ -352,13 +370,23 @@ class Transformer(nn.Module):
         # csrc/decode_ops.cpp for norms, attention and activations: set by pack_linears where it builds
         # (CPU, float32, projections fused)
         self.cpu_kernels = False
-        self.decode_layers: list | None = None  # csrc/decode_layer.cpp, one per layer: build_decode_layers
 
     def fuse_projections(self) -> None:
         """Merge q/k/v and gate/up weights for inference (after any sharding, before packing)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    @property
+    def decode_layers(self) -> list | None:
+        """Each layer's C++ DecodeLayer, or None where they aren't built (or turned off)."""
+        kernels = [layer.kernel for layer in self.model.layers]
+        return kernels if all(k is not None for k in kernels) else None
+
+    @decode_layers.setter
+    def decode_layers(self, kernels: list | None) -> None:
+        for i, layer in enumerate(self.model.layers):
+            layer.kernel = None if kernels is None else kernels[i]
 
     def build_decode_layers(self) -> bool:
         """Give each layer its C++ DecodeLayer (the whole layer of a decode or verify step in one
@@ -375,10 +403,10 @@ class Transformer(nn.Module):
             cpp = torch.classes.tandem.DecodeLayer(attn.num_heads, attn.scale, attn.window or 0,
                                                    layer.input_layernorm.eps, layer.input_layernorm.offset, mlp.gelu)
             for which, linear_layer in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                blocks = getattr(linear_layer, "blocks", None)
-                if blocks is not None:
+                if isinstance(linear_layer, BlockLinear):
+                    blocks = linear_layer.blocks
                     cpp.set_linear(which, blocks.q, blocks.scale_offset, blocks.zero, blocks.rows, None, linear_layer.bias)
-                elif getattr(linear_layer, "skinny", False):
+                elif isinstance(linear_layer, PackedLinear) and linear_layer.skinny:
                     cpp.set_linear(which, None, None, 0, 0, linear_layer.weight.detach(), linear_layer.bias)
                 else:
                     return False
@@ -399,23 +427,17 @@ class Transformer(nn.Module):
         Returns float32 logits [B, L, V] (L = T when logit_index is None).
         """
         m = self.model
-        x = embedding(tokens, m.embed_tokens)
+        x = m.embed_tokens(tokens)
         if self.args.embed_scale != 1.0:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         kernels = self.cpu_kernels and x.device.type == "cpu" and x.dtype == torch.float32
         ctx = ForwardContext(self.args, cache, tables.contiguous(), positions.contiguous(), x.dtype, kernels)
         B, T = tokens.shape
-        if kernels and self.decode_layers is not None and T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS:
-            flat = x.reshape(B * T, -1).contiguous()
-            for i, layer in enumerate(self.decode_layers):
-                cos, sin = ctx.rope[self.args.layer_rope[i]]
-                flat = layer.forward(flat, ctx.positions, ctx.tables, cache.k[i], cache.v[i], cos, sin)
-            x = flat.view(B, T, -1)
-        else:
-            for layer in m.layers:
-                x = layer(x, ctx)
+        ctx.small_step = kernels and T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS  # where the C++ layers run
+        for layer in m.layers:
+            x = layer(x, ctx)
         if logit_index is not None:
             if logit_index.shape[1] == 0:  # a prefill: only the cache was wanted
                 return x.new_empty(B, 0, self.args.vocab_size, dtype=torch.float32)
             x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
-        return linear(m.norm(x, kernels), self.lm_head).float()
+        return self.lm_head(m.norm(x, kernels)).float()
