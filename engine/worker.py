@@ -17,8 +17,9 @@ from engine.kv_cache import KVCache
 from engine.models.gguf_blocks import read_block_weights
 from engine.models.linear import pack_linears, use_blocks
 from engine.models.loading import ModelSource, build_model, load_sharded, load_state_dict
-from engine.models.skinny import skinny_kernel_available
+from engine.models.skinny import MAX_ROWS, skinny_kernel_available
 from engine.models.tp import shard
+from engine.models.transformer import SMALL_QUERY_ROWS
 from engine.step import Prefill, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -176,17 +177,19 @@ class ModelWorker:
 
     def prefill(self, chunks: list[Prefill], max_rows: int = 512) -> None:
         """Write each chunk's tokens at its positions through its block table; no logits (the next
-        step feeds the last prompt token). Chunks of different sequences share forwards where
-        padding them to one length wastes little: a step's prefill is then one or two forwards,
-        not one per request."""
-        if any(len(c.tokens) > max_rows for c in chunks):  # a chunk's parts run in order, alone
-            for c in chunks:
+        step feeds the last prompt token). Short chunks (at most SMALL_QUERY_ROWS tokens) of different
+        sequences share forwards of at most MAX_ROWS rows, the decode-step path where every row is
+        computed on its own, so each writes the keys and values it writes alone; a step admitting
+        many short prompts prefills them in a forward or two, not one each. Longer chunks run
+        alone, in pieces of max_rows."""
+        short = [c for c in chunks if len(c.tokens) <= SMALL_QUERY_ROWS]
+        for c in chunks:
+            if len(c.tokens) > SMALL_QUERY_ROWS:
                 for at in range(0, len(c.tokens), max_rows):
                     self.forward([c.table], [c.start + at], [c.tokens[at:at + max_rows]], logits=False)
-            return
-        for group in padded_groups([len(c.tokens) for c in chunks], max_rows):
-            self.forward([chunks[i].table for i in group], [chunks[i].start for i in group],
-                         [chunks[i].tokens for i in group], logits=False)
+        for group in padded_groups([len(c.tokens) for c in short], MAX_ROWS):
+            self.forward([short[i].table for i in group], [short[i].start for i in group],
+                         [short[i].tokens for i in group], logits=False)
 
 
 SMALL_ROWS = 16  # a forward of this many rows costs about what one row costs: weights stream once

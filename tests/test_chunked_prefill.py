@@ -101,9 +101,10 @@ def _prompt_kv(llm: LLM, seq, n: int):
 
 
 def test_one_step_prefills_its_requests_together_with_the_keys_and_values_of_each_alone():
-    """Four prompts admitted at once are prefilled in one forward per model; every key and value is
-    the one a prefill of that prompt alone writes, bit for bit (rows never depend on each other)."""
-    lengths = [5, 12, 9, 3]
+    """Short prompts admitted at once are prefilled in one forward per model (a longer one beside
+    them alone); every key and value is the one a prefill of that prompt alone writes, bit for bit
+    (rows never depend on each other)."""
+    lengths = [5, 12, 9, 3, 40]
     together = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False)
     alone = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False)
     prompts = [prompt_of(together, n)["prompt_token_ids"] for n in lengths]

@@ -7,7 +7,8 @@ Compiled for any AVX-512 CPU (not -march=native, so a cache or image built on on
 another) into $TANDEM_CACHE_DIR/kernels (default ~/.cache/tandem/kernels), once per source and
 flags; later processes (Ray actors included) load the built library in about a second. Where it
 cannot be built (no AVX-512, no compiler), where the OS doesn't let a process run it (a child process
-tries it once per CPU), or TANDEM_SKINNY_KERNEL=0, callers fall back to oneDNN with a log line.
+tries it once per CPU), callers fall back to oneDNN with a log line; EngineConfig.cpu_kernels
+turns them off on purpose.
 """
 from __future__ import annotations
 
