@@ -32,7 +32,7 @@ class ServeArgs(BaseModel):
     speculative_config: SpeculativeConfig | None = None
     placement_strategy: str = "PACK"  # EngineConfig's: PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
     disjoint_cores: bool = False  # EngineConfig's: each CPU rank on its own share of the node's cores
-    gguf_weights: str = "blocks"  # EngineConfig's: blocks | float32
+    gguf_weights: str = "int8"  # EngineConfig's: int8 | blocks | float32
     # EngineConfig's CPU knobs; unset: the engine's default, or the TANDEM_* variable the engine reads
     cpu_kernels: bool | None = None  # our C++ kernels (False: oneDNN and PyTorch for everything)
     rank_threads: int | None = None  # torch threads per rank

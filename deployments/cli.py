@@ -37,8 +37,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="how Ray places the model groups' ranks on a multi-node cluster")
     p.add_argument("--disjoint-cores", action="store_true", default=None,
                    help="CPU: pin each rank of both groups to its own share of the node's cores")
-    p.add_argument("--gguf-weights", default=None, choices=["blocks", "float32"],
-                   help="CPU, GGUF models: the file's int8 blocks (default) or dequantized float32 copies")
+    p.add_argument("--gguf-weights", default=None, choices=["int8", "blocks", "float32"],
+                   help="CPU, GGUF models: the file's blocks times int8 activations (default, VNNI), the blocks in float32 "
+                        "(bit-identical to float32), or dequantized float32 copies")
     p.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: our C++ kernels for small-row linears, decode layers and grammar masks (default on; "
                         "--no-cpu-kernels: oneDNN and PyTorch for everything)")

@@ -174,10 +174,13 @@ class EngineConfig(BaseModel):
     # cores [i*n/R, (i+1)*n/R)), as if each ran on its own device. Without it every rank uses every
     # core (the groups take turns). Draft-ahead overlaps the groups only when this is on.
     disjoint_cores: bool = False
-    # CPU, a .gguf model (or an embedded one): "blocks" keeps the file's quantized tensors as int8
-    # blocks, read by our kernel: outputs bit-identical to "float32" (their dequantized copies), in
-    # about a third of the memory and faster decode steps. "float32" is there to check that claim.
-    gguf_weights: Literal["blocks", "float32"] = "blocks"
+    # CPU, a .gguf model (or an embedded one): how its quantized tensors are held and multiplied.
+    # "int8": the file's blocks, multiplied by activations rounded to int8 per 32 values with integer
+    # dot products (AVX-512 VNNI, as llama.cpp does): the fastest; logits within ~1e-1 of float32's
+    # (README). Where the CPU has no VNNI it runs as "blocks", with a log line. "blocks": the same
+    # blocks rebuilt in registers to float32, outputs bit-identical to "float32" (their dequantized
+    # copies, in about a third of the memory). "float32": the reference.
+    gguf_weights: Literal["int8", "blocks", "float32"] = "int8"
     # KV cache sizing (engine/memory.py): after the weights load, each GPU's caches get this share
     # of the device less what is in use; kv_cache_memory_bytes, when set, is the byte budget per
     # device instead (on a CPU, unset: 4 GiB, vLLM's CPU default). The blocks that fit are shared by

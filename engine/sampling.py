@@ -130,6 +130,17 @@ def _numerators(logits: Tensor, st: SamplingTensors, inplace: bool) -> Tensor:
     return e.sub_(e.amax(-1, keepdim=True)).exp_()
 
 
+def row_sums(x: Tensor) -> Tensor:
+    """[N, V] -> [N, 1], each row's sum the same bits whatever N is. torch splits a lone row's sum
+    over the threads (a different order of additions than for a row among others), so a 1-token step
+    and a K+1-token step reported different last bits of the same logprob; summed in 64 parts first,
+    every output is always one thread's."""
+    n, v = x.shape
+    if v % 64:
+        x = torch.nn.functional.pad(x, (0, -v % 64))
+    return x.view(n, 64, -1).sum(-1).sum(-1, keepdim=True)
+
+
 def _dense(e: Tensor, st: SamplingTensors, best: Tensor | None) -> Tensor:
     """Softmax numerators e [N, V] (overwritten) -> each row's distribution."""
     vocab = e.shape[-1]
@@ -137,10 +148,11 @@ def _dense(e: Tensor, st: SamplingTensors, best: Tensor | None) -> Tensor:
         use_k = (st.top_k > 0) & (st.top_k < vocab)
         kth = torch.topk(e, st.max_top_k, dim=-1).values.gather(-1, (st.top_k.clamp(1, st.max_top_k) - 1)[:, None])
         e.masked_fill_(use_k[:, None] & (e < kth), 0.0)
-    probs = e.div_(e.sum(-1, keepdim=True))
+    probs = e.div_(row_sums(e))
     if st.any_top_p:  # renormalise the nucleus (the same as a softmax over the kept logits)
         probs.masked_fill_(probs < _top_p_threshold(probs, st.top_p)[:, None], 0.0)
-        probs.div_(probs.sum(-1, keepdim=True))
+        # only the truncated rows: a row's bits must not depend on what shares its step
+        probs.div_(torch.where(st.top_p[:, None] < 1.0, row_sums(probs), 1.0))
     if best is not None:
         greedy = st.temperature == 0.0
         rows = greedy.nonzero()[:, 0] if probs.device.type == "cpu" else torch.arange(len(greedy), device=probs.device)

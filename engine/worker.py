@@ -17,7 +17,7 @@ from engine.kv_cache import KVCache
 from engine.models.gguf_blocks import read_block_weights
 from engine.models.linear import pack_linears, use_blocks
 from engine.models.loading import ModelSource, build_model, load_sharded, load_state_dict
-from engine.models.skinny import MAX_ROWS, skinny_kernel_available
+from engine.models.skinny import MAX_ROWS, int8_kernel_available, skinny_kernel_available
 from engine.models.tp import shard
 from engine.models.transformer import SMALL_QUERY_ROWS
 from engine.step import Prefill, TokenLogprob
@@ -37,9 +37,10 @@ def _return_freed_memory() -> None:
 class ModelWorker:
     def __init__(self, source: ModelSource, num_blocks: int | None, block_size: int, dtype: torch.dtype,
                  device: str = "cpu", rng_stream: str = "target", pack: bool = True,
-                 rank: int = 0, world: int = 1, group=None, gguf_blocks: bool = True, cpu_kernels: bool = True):
-        """cpu_kernels: EngineConfig's (False: no C++ kernel, every linear on oneDNN, GGUF tensors as
-        float32); where this machine can't build or run them it is False by itself."""
+                 rank: int = 0, world: int = 1, group=None, gguf_weights: str = "int8", cpu_kernels: bool = True):
+        """gguf_weights, cpu_kernels: EngineConfig's (cpu_kernels False: no C++ kernel, every linear on
+        oneDNN, GGUF tensors as float32); where this machine can't build or run them it is False by
+        itself, and "int8" where its CPU has no VNNI runs as "blocks"."""
         kernels = cpu_kernels and device == "cpu" and skinny_kernel_available()
         if source.kind == "hf_dir":  # each rank reads only its slices
             config, model = load_sharded(source, dtype, device, rank, world)
@@ -47,17 +48,19 @@ class ModelWorker:
         else:
             config, state = load_state_dict(source)
             model = build_model(config, state, dtype=dtype, device=device)
-            if gguf_blocks and pack and source.kind == "gguf" and kernels and dtype == torch.float32:
-                # the file's own int8 blocks instead of float32 (bit-identical outputs, ~1/3 the bytes)
+            if gguf_weights != "float32" and pack and source.kind == "gguf" and kernels and dtype == torch.float32:
+                # the file's own blocks instead of float32 (~1/3 the bytes)
                 nbytes = use_blocks(model, read_block_weights(Path(source.path), state, config))
-                logger.info("%s: quantized weights kept as int8 blocks (%.0f MB)", Path(source.path).name,
-                            nbytes / 2**20)
+                if gguf_weights == "int8" and not int8_kernel_available():
+                    gguf_weights = "blocks"
+                logger.info("%s: quantized weights kept as blocks (%.0f MB), multiplied %s", Path(source.path).name,
+                            nbytes / 2**20, "by int8 activations" if gguf_weights == "int8" else "in float32")
             del state
             self.model = shard(model, rank, world, group)
         if pack:
             self.model.fuse_projections()
             if device == "cpu" and dtype == torch.float32:
-                pack_linears(self.model, skinny=kernels)
+                pack_linears(self.model, skinny=kernels, int8=kernels and gguf_weights == "int8")
         _return_freed_memory()
         self.args = self.model.args
         self.hf_config = config
@@ -79,7 +82,7 @@ class ModelWorker:
         for module in self.model.modules():
             blocks = getattr(module, "blocks", None)
             if blocks is not None:
-                tensors[id(blocks.q)] = blocks.nbytes
+                tensors[id(blocks)] = blocks.nbytes  # a tied LM head shares its embedding's
         return sum(tensors.values())
 
     def allocate_cache(self, num_blocks: int) -> None:

@@ -151,8 +151,8 @@ def logits_of_steps(worker: ModelWorker) -> list[torch.Tensor]:
 @pytest.mark.parametrize("model", [SMOLLM2, GEMMA3])
 def test_a_model_on_blocks_gives_the_float32_logits_bit_for_bit_in_less_memory(model):
     source = resolve_model(model)
-    on_blocks = ModelWorker(source, 2 * MAX_ROWS // 16 + 1, 16, torch.float32, gguf_blocks=True)
-    on_float32 = ModelWorker(source, 2 * MAX_ROWS // 16 + 1, 16, torch.float32, gguf_blocks=False)
+    on_blocks = ModelWorker(source, 2 * MAX_ROWS // 16 + 1, 16, torch.float32, gguf_weights="blocks")
+    on_float32 = ModelWorker(source, 2 * MAX_ROWS // 16 + 1, 16, torch.float32, gguf_weights="float32")
     for got, want in zip(logits_of_steps(on_blocks), logits_of_steps(on_float32)):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 

@@ -89,3 +89,17 @@ def test_verification_gives_the_same_tokens_sparse_or_dense(verify, probabilisti
         a = verify(dense, drafts, [K] * B, q, uniforms, final)
         b = verify(sparse, drafts, [K] * B, q, uniforms, final)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_a_rows_logprobs_do_not_depend_on_the_rows_beside_it():
+    """processed_logprobs of a row alone (a 1-token step) and among others (a verify step): the
+    same bits, as the logits are (vocabularies of 262k, 49k and an odd size)."""
+    from engine.sampling import processed_logprobs
+
+    for vocab in (262144, 49152, 1001):
+        logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab)) * 8
+        params = [SamplingParams(temperature=0.0)] * 4 + [SamplingParams(temperature=0.7, top_p=0.9)] * 5
+        together = processed_logprobs(logits.clone(), params)
+        for i in range(9):
+            alone = processed_logprobs(logits[i:i + 1].clone(), params[i:i + 1])
+            assert torch.equal(alone[0], together[i]), f"vocab {vocab}, row {i}"

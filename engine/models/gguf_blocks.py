@@ -140,6 +140,73 @@ class PackedBlocks:
         return _dequantize(q.flatten(-2), self.scale_offset[index // NR, :, index % NR], self.group)
 
 
+TILE = 16  # weight rows the int8 kernel computes side by side, one int32 lane each (csrc/int8_linear.cpp)
+
+
+@dataclass
+class Int8Blocks:
+    """A BlockWeight as the int8 kernel reads it: u = q - lo unsigned (lo: the tensor's smallest q),
+    4 bits where u < 16 (Q4_0, Q4_1, Q4_K), else a byte; (d, m) per group of 16 or 32 weights, float16
+    where exact, d alone where every m is -0.0. The weights are the file's, exactly (`dequantize`).
+    u [ceil(N / 16), K / 4, 16, 4] bytes (16 rows side by side, 4 consecutive k each), 4-bit
+    [.., K / 8, 16, 4] (byte b: k = 8c + b low, 8c + 4 + b high); dm [ceil(N / 16), K / G, 2 or 1, 16].
+    """
+    u: Tensor
+    dm: Tensor
+    lo: int
+    rows: int  # N; u and dm hold it rounded up to 16 with zero rows
+    cols: int  # K
+
+    @staticmethod
+    def of(w: BlockWeight) -> "Int8Blocks":
+        if w.group > 32:
+            w = w.regroup(32)
+        n, k = w.shape
+        if k % 32:
+            raise ValueError(f"blocks of {k} columns: the int8 kernel reads multiples of 32")
+        lo, hi = int(w.q.min()), int(w.q.max())
+        u = (w.q.to(torch.int16) - lo).to(torch.uint8)
+        so = w.scale_offset
+        if _bits_equal(so[..., 1], torch.full_like(so[..., 1], -0.0)):
+            so = so[..., :1]
+        half = so.to(torch.float16)
+        if _bits_equal(half.float(), so):
+            so = half
+        pad = -n % TILE
+        u, so = (torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in (u, so))
+        tiles = u.shape[0] // TILE
+        if hi - lo <= 15:
+            u = u.view(tiles, TILE, k // 8, 2, 4)
+            u = u[..., 0, :] | (u[..., 1, :] << 4)
+        else:
+            u = u.view(tiles, TILE, k // 4, 4)
+        u = u.transpose(1, 2).contiguous()
+        dm = so.view(tiles, TILE, so.shape[1], so.shape[2]).permute(0, 2, 3, 1).contiguous()
+        return Int8Blocks(u, dm, lo, n, k)
+
+    @property
+    def four_bit(self) -> bool:
+        return self.u.shape[1] * 8 == self.cols
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.cols))
+
+    @property
+    def nbytes(self) -> int:
+        return self.u.nbytes + self.dm.nbytes
+
+    def dequantize(self, rows: Tensor | None = None) -> Tensor:
+        """float32 weights (of `rows` only), the values of the BlockWeight this was packed from."""
+        index = torch.arange(self.rows) if rows is None else rows
+        u = self.u[index // TILE, :, index % TILE]  # [..., K / 4 or K / 8, 4]
+        if self.four_bit:
+            u = torch.stack([u & 0x0F, u >> 4], dim=-2)  # [..., K / 8, 2, 4]
+        q = (u.flatten(-3 if self.four_bit else -2).to(torch.int16) + self.lo).to(torch.int8)
+        dm = self.dm[index // TILE, :, :, index % TILE]  # [..., K / G, 2 or 1]
+        return _dequantize(q, dm, q.shape[-1] // dm.shape[-2])
+
+
 def _interleave(t: Tensor) -> Tensor:
     """[N, a, b] -> [N / NR, a, NR, b]"""
     return t.unflatten(0, (-1, NR)).transpose(1, 2).contiguous()

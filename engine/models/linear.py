@@ -8,9 +8,11 @@
   depend on the other rows (1-token and K+1-token steps agree bit for bit); more rows (prefill)
   oneDNN with a pre-packed weight (MKL's sgemm is 2-3x slower here). It holds the weight twice.
 - `BlockLinear` / `BlockEmbedding`: a GGUF model's quantized tensors as blocks (gguf_blocks.py;
-  `use_blocks` swaps them in, `pack_linears` packs them into the kernel's layout, at the file's own
-  bytes where exact): the block kernel for small steps, the weight dequantized for the call in
-  prefill; bit-identical to the float32 layers.
+  `use_blocks` swaps them in, `pack_linears` packs them into a kernel's layout, at the file's own
+  bytes where exact). Packed as `Int8Blocks` (gguf_weights "int8"): the int8 kernel for every call,
+  any number of rows, activations rounded to int8 per 32 values. Packed as `PackedBlocks`
+  ("blocks"): the block kernel for small steps, the weight dequantized for the call in prefill;
+  bit-identical to the float32 layers.
 
 Every form answers `in_features` / `out_features`, and `dense()` gives its float32 nn.Linear back (a
 tensor-parallel shard that would cut through blocks, a fused q|k|v whose parts differ).
@@ -21,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models.gguf_blocks import BlockWeight, PackedBlocks
-from engine.models.skinny import MAX_ROWS, skinny_kernel_available
+from engine.models.gguf_blocks import BlockWeight, Int8Blocks, PackedBlocks
+from engine.models.skinny import MAX_ROWS, int8_kernel_available, skinny_kernel_available
 
 
 def onednn_available() -> bool:
@@ -70,7 +72,7 @@ class PackedLinear(nn.Module):
 class BlockLinear(nn.Module):
     """A linear whose weight is GGUF blocks: W = scale * q + offset, never held as float32."""
 
-    def __init__(self, blocks: BlockWeight | PackedBlocks, bias: Tensor | None = None):
+    def __init__(self, blocks: BlockWeight | PackedBlocks | Int8Blocks, bias: Tensor | None = None):
         super().__init__()
         self.blocks = blocks
         self.out_features, self.in_features = blocks.shape
@@ -81,7 +83,9 @@ class BlockLinear(nn.Module):
             self.blocks = self.blocks.packed()
         b = self.blocks
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= MAX_ROWS:
+        if isinstance(b, Int8Blocks):
+            out = torch.ops.tandem.int8_linear(flat, b.u, b.dm, b.lo, b.rows, self.bias)
+        elif flat.shape[0] <= MAX_ROWS:
             out = torch.ops.tandem.block_linear(flat.contiguous(), b.q, b.scale_offset, b.zero, b.rows, self.bias)
         else:  # prefill: the float32 path's own oneDNN call, on this call's dequantized copy
             weight = torch.ops.tandem.block_dequantize(b.q, b.scale_offset, b.zero, b.rows)
@@ -95,7 +99,7 @@ class BlockLinear(nn.Module):
 class BlockEmbedding(nn.Module):
     """An embedding table as GGUF blocks: a lookup dequantizes only the rows it reads."""
 
-    def __init__(self, blocks: BlockWeight | PackedBlocks):
+    def __init__(self, blocks: BlockWeight | PackedBlocks | Int8Blocks):
         super().__init__()
         self.blocks = blocks
         self.num_embeddings, self.embedding_dim = blocks.shape
@@ -127,24 +131,27 @@ def use_blocks(model: nn.Module, blocks: dict[str, BlockWeight]) -> int:
     return sum(w.nbytes for w in blocks.values())
 
 
-def pack_linears(model: nn.Module, skinny: bool | None = None) -> int:
+def pack_linears(model: nn.Module, skinny: bool | None = None, int8: bool = False) -> int:
     """Prepare a model's CPU float32 linears for inference. Returns how many became PackedLinear.
 
     Each nn.Linear becomes a PackedLinear (a oneDNN-packed copy; the dense weight kept for the skinny
-    kernel when `skinny`, None: if it builds here). Block layers take their packed form
-    (BlockWeight.packed: the same values in fewer bytes). Then the model's C++ decode layers are
-    built where they can run.
+    kernel when `skinny`, None: if it builds here). Block layers take their packed form: Int8Blocks
+    when `int8` (and the int8 kernel runs here), else PackedBlocks (the same values in fewer bytes).
+    Then the model's C++ decode layers are built where they can run.
     """
     if not onednn_available():
         return 0
     if skinny is None:
         skinny = skinny_kernel_available()
+    pack = Int8Blocks.of if int8 and skinny and int8_kernel_available() else PackedBlocks.of
     if skinny and hasattr(model, "cpu_kernels"):  # the same library holds the decode layer's other ops
         model.cpu_kernels = True
-    packed: dict[int, PackedBlocks] = {}  # a tied LM head shares its embedding's blocks
+    packed: dict[int, PackedBlocks | Int8Blocks] = {}  # a tied LM head shares its embedding's blocks
     for module in model.modules():
         if isinstance(module, (BlockLinear, BlockEmbedding)) and isinstance(module.blocks, BlockWeight):
-            module.blocks = packed.setdefault(id(module.blocks), module.blocks.packed())
+            if id(module.blocks) not in packed:
+                packed[id(module.blocks)] = pack(module.blocks)
+            module.blocks = packed[id(module.blocks)]
     shared = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
               if not name.endswith(("_proj.weight", "lm_head.weight"))}
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear

@@ -1,5 +1,5 @@
 """Our CPU kernels, compiled on first use: small-M linears (csrc/skinny_linear.cpp: float32 and int8-block
-weights), the rest of a decode step's layer (csrc/decode_ops.cpp: RMSNorm, attention, gated activation),
+weights), GGUF blocks times int8 activations (csrc/int8_linear.cpp, AVX-512 VNNI), the rest of a decode step's layer (csrc/decode_ops.cpp: RMSNorm, attention, gated activation),
 the whole layer as one call (csrc/decode_layer.cpp), and a grammar's token bitmask on logits
 (csrc/token_mask.cpp).
 
@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("skinny_linear.cpp", "decode_ops.cpp", "decode_layer.cpp", "token_mask.cpp")]
+           for name in ("skinny_linear.cpp", "int8_linear.cpp", "decode_ops.cpp", "decode_layer.cpp", "token_mask.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "kernels.h"]
 CFLAGS = ["-O3", "-mavx512f", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # block_linear: never fuse its multiply-add
 # Up to this many rows (decode, verify steps of a batch, short prefills) the kernel runs within ~10% of
@@ -53,6 +53,18 @@ def skinny_kernel_available() -> bool:
         _build_and_load()
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: oneDNN still works
         logger.warning("skinny linear kernel could not be built (%s); using oneDNN for every linear", exc)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def int8_kernel_available() -> bool:
+    """The int8 kernel (csrc/int8_linear.cpp) needs AVX-512 VNNI besides the rest."""
+    if not skinny_kernel_available():
+        return False
+    if not torch.ops.tandem.int8_kernel_runs():
+        logger.warning("int8 kernel: this CPU has no AVX-512 VNNI; GGUF blocks are multiplied in float32 "
+                       "(gguf_weights: blocks), which is slower")
         return False
     return True
 
@@ -88,6 +100,9 @@ from engine.models.skinny import _build_and_load
 _build_and_load()
 x, w = torch.ones(3, 64), torch.ones(8, 64)
 assert torch.equal(torch.ops.tandem.skinny_linear(x, w, None), x @ w.T)
+if torch.ops.tandem.int8_kernel_runs():
+    u, dm = torch.ones(1, 16, 16, 4, dtype=torch.uint8), torch.ones(1, 2, 1, 16)
+    assert torch.allclose(torch.ops.tandem.int8_linear(x, u, dm, 0, 16, None), torch.full((3, 16), 64.0))
 """
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models.gguf_blocks import BlockWeight
+from engine.models.gguf_blocks import BlockWeight, Int8Blocks
 from engine.models.linear import BlockLinear, PackedLinear, dense
 from engine.models.skinny import MAX_ROWS
 
@@ -403,7 +403,10 @@ class Transformer(nn.Module):
             cpp = torch.classes.tandem.DecodeLayer(attn.num_heads, attn.scale, attn.window or 0,
                                                    layer.input_layernorm.eps, layer.input_layernorm.offset, mlp.gelu)
             for which, linear_layer in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                if isinstance(linear_layer, BlockLinear):
+                if isinstance(linear_layer, BlockLinear) and isinstance(linear_layer.blocks, Int8Blocks):
+                    blocks = linear_layer.blocks
+                    cpp.set_int8_linear(which, blocks.u, blocks.dm, blocks.lo, blocks.rows, linear_layer.bias)
+                elif isinstance(linear_layer, BlockLinear):
                     blocks = linear_layer.blocks
                     cpp.set_linear(which, blocks.q, blocks.scale_offset, blocks.zero, blocks.rows, None, linear_layer.bias)
                 elif isinstance(linear_layer, PackedLinear) and linear_layer.skinny:

@@ -12,14 +12,16 @@
 
 namespace {
 
-// A linear's weights: packed blocks (q, scales, zero, rows) or a dense float32 matrix.
+// A linear's weights: packed blocks (q, scales, zero, rows), int8-kernel blocks (u, dm, lo, rows) or a
+// dense float32 matrix.
 struct LinearWeights {
-  at::Tensor q, scale_offset, dense;
+  at::Tensor q, scale_offset, dense, u, dm;
   int64_t zero = 0, rows = 0;
   c10::optional<at::Tensor> bias;
   at::Tensor operator()(const at::Tensor& x) const {
-    return dense.defined() ? tandem::skinny_linear(x, dense, bias)
-                           : tandem::block_linear(x, q, scale_offset, zero, rows, bias);
+    if (dense.defined()) return tandem::skinny_linear(x, dense, bias);
+    if (u.defined()) return tandem::int8_linear(x, u, dm, zero, rows, bias);
+    return tandem::block_linear(x, q, scale_offset, zero, rows, bias);
   }
 };
 
@@ -52,11 +54,21 @@ struct DecodeLayer : torch::CustomClassHolder {
   void set_linear(int64_t which, const c10::optional<at::Tensor>& q, const c10::optional<at::Tensor>& scale_offset,
                   int64_t zero, int64_t rows, const c10::optional<at::Tensor>& dense, const c10::optional<at::Tensor>& bias) {
     TORCH_CHECK(which >= 0 && which < 4, "DecodeLayer: no linear ", which);
-    LinearWeights& w = linears[which];
     TORCH_CHECK(dense.has_value() != q.has_value(), "DecodeLayer: a linear has blocks or a dense weight");
+    LinearWeights& w = linears[which];
+    w = LinearWeights();
     w.q = q.value_or(at::Tensor()), w.scale_offset = scale_offset.value_or(at::Tensor());
     w.dense = dense.value_or(at::Tensor());
     w.zero = zero, w.rows = rows, w.bias = bias;
+  }
+
+  // the int8 kernel's blocks (gguf_blocks.Int8Blocks)
+  void set_int8_linear(int64_t which, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows,
+                       const c10::optional<at::Tensor>& bias) {
+    TORCH_CHECK(which >= 0 && which < 4, "DecodeLayer: no linear ", which);
+    LinearWeights& w = linears[which];
+    w = LinearWeights();
+    w.u = u, w.dm = dm, w.zero = lo, w.rows = rows, w.bias = bias;
   }
 
   void set_norms(std::vector<at::Tensor> layer_norms, const c10::optional<at::Tensor>& q, const c10::optional<at::Tensor>& k) {
@@ -92,6 +104,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, lib) {
   lib.class_<tandem::DecodeLayer>("DecodeLayer")
       .def(torch::init<int64_t, double, int64_t, double, double, bool>())
       .def("set_linear", &tandem::DecodeLayer::set_linear)
+      .def("set_int8_linear", &tandem::DecodeLayer::set_int8_linear)
       .def("set_norms", &tandem::DecodeLayer::set_norms)
       .def("forward", &tandem::DecodeLayer::forward);
 }

@@ -10,6 +10,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale_offset, int64_t zero,
                         int64_t rows, const c10::optional<at::Tensor>& bias);
 
+// int8_linear.cpp: y = x @ W^T + b for any rows, W in blocks, x rounded to int8 per 32 (VNNI)
+bool int8_kernel_runs();
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows,
+                       const c10::optional<at::Tensor>& bias);
+
 // decode_ops.cpp: the rest of a decode step's layer
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);
 at::Tensor gated_act(const at::Tensor& gate_up, bool gelu);
