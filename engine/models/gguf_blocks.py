@@ -5,9 +5,11 @@ gguf-py (which transformers' GGUF loader runs, and so our float32 cache holds), 
 fl(fl(scale * q) + offset): q a small integer, one float32 (scale, offset) per 16 or 32 weights of
 a row; types without an offset get -0.0, which leaves every float unchanged. So one format holds
 all of them exactly: q as int8, (scale, offset) as float32 pairs, 1.25-1.5 bytes a weight instead
-of 4. For inference, `BlockWeight.packed` narrows them further where that is exact: 4-bit q for the
-4-bit types, float16 pairs for the legacy ones (Q4_1: 0.625 bytes a weight, as in the file). The block kernel (csrc/skinny_linear.cpp) and `dequantize` rebuild the very float32 values of
-the dequantized copy, so outputs are bit-identical to the float32 path. Each tensor is checked
+of 4. For inference two packed forms narrow them further where that is exact (4-bit q for the 4-bit
+types, float16 pairs for the legacy ones: Q4_1 0.625 bytes a weight, as in the file):
+`PackedBlocks` for the block kernel (csrc/skinny_linear.cpp), which rebuilds the very float32 values
+of the dequantized copy, so outputs are bit-identical to the float32 path; `Int8Blocks` for the int8
+kernel (csrc/int8_linear.cpp), which multiplies them by int8-rounded activations. Each tensor is checked
 bit for bit against that copy when it is read; one that differs stays float32 (with a log line).
 """
 from __future__ import annotations
