@@ -102,12 +102,7 @@ class PackedBlocks:
         n, k = w.shape
         if k % SPAN:
             raise ValueError(f"blocks of {k} columns: the kernel reads multiples of {SPAN}")
-        so = w.scale_offset
-        if _bits_equal(so[..., 1], torch.full_like(so[..., 1], -0.0)):
-            so = so[..., :1]
-        half = so.to(torch.float16)
-        if _bits_equal(half.float(), so):
-            so = half
+        so = _narrow_pairs(w.scale_offset)
         q, zero = w.q.unflatten(-1, (-1, SPAN)), 0  # [N, K / 32, 32]
         lo, hi = int(w.q.min()), int(w.q.max())
         if hi - lo <= 15:
@@ -168,12 +163,7 @@ class Int8Blocks:
             raise ValueError(f"blocks of {k} columns: the int8 kernel reads multiples of 32")
         lo, hi = int(w.q.min()), int(w.q.max())
         u = (w.q.to(torch.int16) - lo).to(torch.uint8)
-        so = w.scale_offset
-        if _bits_equal(so[..., 1], torch.full_like(so[..., 1], -0.0)):
-            so = so[..., :1]
-        half = so.to(torch.float16)
-        if _bits_equal(half.float(), so):
-            so = half
+        so = _narrow_pairs(w.scale_offset)
         pad = -n % TILE
         u, so = (torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in (u, so))
         tiles = u.shape[0] // TILE
@@ -207,6 +197,15 @@ class Int8Blocks:
         q = (u.flatten(-3 if self.four_bit else -2).to(torch.int16) + self.lo).to(torch.int8)
         dm = self.dm[index // TILE, :, :, index % TILE]  # [..., K / G, 2 or 1]
         return _dequantize(q, dm, q.shape[-1] // dm.shape[-2])
+
+
+def _narrow_pairs(so: Tensor) -> Tensor:
+    """(scale, offset) pairs [..., 2] in the fewest bytes that hold them exactly: scales alone where
+    every offset is -0.0, float16 where every value is one."""
+    if _bits_equal(so[..., 1], torch.full_like(so[..., 1], -0.0)):
+        so = so[..., :1]
+    half = so.to(torch.float16)
+    return half if _bits_equal(half.float(), so) else so
 
 
 def _interleave(t: Tensor) -> Tensor:
