@@ -28,8 +28,8 @@ def test_seed_offline_example_shape(smollm2_plain):
 def test_max_tokens_and_eos(smollm2_plain):
     out = smollm2_plain.generate("The future of AI is", SamplingParams(temperature=0, max_tokens=5))[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
-    # this prompt ends on its own (greedy, as the model answers in one sentence)
-    long = smollm2_plain.generate("The future of AI is", SamplingParams(temperature=0, max_tokens=200))[0]
+    # this prompt ends on its own, greedy, on int8 activations (67 tokens) and on float32 (61)
+    long = smollm2_plain.generate("Water boils at", SamplingParams(temperature=0, max_tokens=200))[0]
     eos = smollm2_plain.get_tokenizer().eos_token_id
     assert long.outputs[0].finish_reason == "stop" and long.outputs[0].token_ids[-1] == eos
     assert "<|im_end|>" not in long.outputs[0].text
