@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.models.skinny import int8_kernel_available
 from engine.worker import SMALL_ROWS, padded_groups
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
@@ -118,6 +119,26 @@ def test_one_step_prefills_its_requests_together_with_the_keys_and_values_of_eac
             assert torch.equal(got, want)
         assert seq.output_ids == seqs[i].output_ids
         alone.scheduler.abort(f"a{i}")
+
+
+@pytest.mark.skipif(not int8_kernel_available(), reason="no AVX-512 VNNI or no compiler on this machine")
+@pytest.mark.parametrize("model", [GEMMA3, SMOLLM2])
+def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(model):
+    """On the int8 kernel (the default) every forward runs the per-row C++ layers, so a token's keys
+    and values are the same whatever chunk it came in: budgets of 5 (the decode path's row counts),
+    16 and 17 (around the old 16-row switch to PyTorch attention), 100 and one chunk of 300."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    kv = {}
+    for budget in (4096, 5, 16, 17, 100):
+        llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        assert llm.executor.target.worker.model.layers_take_any_rows
+        prompt = prompt_of(llm, 300)["prompt_token_ids"]
+        seq = llm.scheduler.add("r", None, prompt, params)
+        while seq.prefilling:
+            llm.scheduler.step()
+        kv[budget] = _prompt_kv(llm, seq, len(prompt))
+    for budget, got in kv.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, kv[4096])), budget
 
 
 def test_padded_groups_bound_the_padding_and_keep_every_chunk_once():

@@ -116,16 +116,7 @@ REAL_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def gemma_reference():
-    return plain_greedy_tokens("int8")
-
-
-@pytest.fixture(scope="module")
-def gemma_reference_on_blocks():
-    return plain_greedy_tokens("blocks")
-
-
-def plain_greedy_tokens(gguf_weights: str) -> list[list[int]]:
-    llm = LLM(model=GEMMA3, max_model_len=256, gguf_weights=gguf_weights)
+    llm = LLM(model=GEMMA3, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, params)]
 
@@ -180,22 +171,20 @@ def test_text_longer_in_draft_tokens_than_the_cache_still_decodes(gemma_referenc
     assert out.finish_reason == "length" and out.token_ids == plain.token_ids
 
 
-def test_real_pair_with_prefix_hits_and_preemption_gives_plain_greedy_tokens(gemma_reference_on_blocks):
+def test_real_pair_with_prefix_hits_and_preemption_gives_plain_greedy_tokens(gemma_reference):
     """TLI with the paged cache: the draft's blocks are in its own token ids. A second pass over the
-    same prompts hits both models' prefix caches; a cache of 13 blocks preempts. Tokens as plain.
-    On `blocks` (float32 arithmetic): a cache hit or a preemption's recompute cuts a prompt into other
-    chunks, and chunks of more than 16 tokens run PyTorch's attention and norms, shorter ones ours;
-    on int8 activations their last-bit differences can flip a rounding and, with it, a near-tie."""
+    same prompts hits both models' prefix caches; a cache of 13 blocks preempts. Tokens as plain (a
+    cache hit or a preemption's recompute cuts a prompt into other chunks: on int8 every chunking
+    writes the same keys and values, tests/test_chunked_prefill.py)."""
     spec = {"model": SMOLLM2, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True}
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    llm = LLM(model=GEMMA3, max_model_len=256, speculative_config=spec, gguf_weights="blocks")
+    llm = LLM(model=GEMMA3, max_model_len=256, speculative_config=spec)
     for _ in range(2):
-        assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, params)] == gemma_reference_on_blocks
+        assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, params)] == gemma_reference
     sched = llm.core.scheduler
     assert sched.target_kv.counters.hits > 0 and sched.draft_kv.counters.hits > 0
     block = sum(r.worker.block_bytes() for r in (llm.executor.target, llm.executor.draft))
-    small = LLM(model=GEMMA3, max_model_len=144, kv_cache_memory_bytes=14 * block, speculative_config=spec,
-                gguf_weights="blocks")
-    assert [o.outputs[0].token_ids for o in small.generate(REAL_PROMPTS, params)] == gemma_reference_on_blocks
+    small = LLM(model=GEMMA3, max_model_len=144, kv_cache_memory_bytes=14 * block, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in small.generate(REAL_PROMPTS, params)] == gemma_reference
     assert small.core.scheduler.target_kv.counters.preemptions > 0
     assert small.spec_decode_stats.num_accepted_tokens > 0

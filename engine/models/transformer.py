@@ -161,7 +161,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
         B, T, _ = x.shape
-        if ctx.cpu_kernels and T <= SMALL_QUERY_ROWS and getattr(self, "qkv_proj", None) is not None:
+        if ctx.cpu_kernels and (T <= SMALL_QUERY_ROWS or ctx.cpp_layers) and getattr(self, "qkv_proj", None) is not None:
             # one kernel from q|k|v to the attention output: norms, rotary, the cache write, attention
             qkv = self.qkv_proj(x).view(B * T, -1)
             cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
@@ -284,7 +284,7 @@ class DecoderLayer(nn.Module):
         self.kernel = None  # this layer as one C++ call (csrc/decode_layer.cpp): Transformer.build_decode_layers
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
-        if self.kernel is not None and ctx.small_step:
+        if self.kernel is not None and ctx.cpp_layers:
             # the same kernels as the per-op path below, in the same order: bit-identical, one call
             B, T, _ = x.shape
             i = self.self_attn.layer
@@ -315,7 +315,7 @@ class ForwardContext:
                  cpu_kernels: bool = False):
         self.cache, self.tables, self.positions = cache, tables, positions  # tables [B, blocks], positions [B, T]
         self.cpu_kernels = cpu_kernels
-        self.small_step = False  # a decode or verify step of few rows: each layer's C++ call, where built
+        self.cpp_layers = False  # each layer as its C++ call, where built (decode and verify steps; any step on int8)
         self.layer_rope = args.layer_rope
         self._global_mask: Tensor | None = None
         self._window_masks: dict[int, Tensor] = {}
@@ -370,6 +370,10 @@ class Transformer(nn.Module):
         # csrc/decode_ops.cpp for norms, attention and activations: set by pack_linears where it builds
         # (CPU, float32, projections fused)
         self.cpu_kernels = False
+        # every linear of every C++ layer on the int8 kernel, which takes any number of rows: every
+        # forward (prefill chunks too) runs the layers in C++, so a token's keys and values don't depend
+        # on the chunk it came in (build_decode_layers)
+        self.layers_take_any_rows = False
 
     def fuse_projections(self) -> None:
         """Merge q/k/v and gate/up weights for inference (after any sharding, before packing)."""
@@ -393,11 +397,12 @@ class Transformer(nn.Module):
         call, bit-identical to the per-op kernel path), where that path runs: projections fused, CPU
         kernels on, not tensor-parallel (the layers all-reduce between ops). Call after packing."""
         self.decode_layers = None
+        self.layers_take_any_rows = False
         layers = self.model.layers
         if not self.cpu_kernels or any(l.self_attn.tp_group is not None or getattr(l.self_attn, "qkv_proj", None) is None
                                        or getattr(l.mlp, "gate_up_proj", None) is None for l in layers):
             return False
-        built = []
+        built, any_rows = [], True
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             cpp = torch.classes.tandem.DecodeLayer(attn.num_heads, attn.scale, attn.window or 0,
@@ -406,7 +411,9 @@ class Transformer(nn.Module):
                 if isinstance(linear_layer, BlockLinear) and isinstance(linear_layer.blocks, Int8Blocks):
                     blocks = linear_layer.blocks
                     cpp.set_int8_linear(which, blocks.u, blocks.dm, blocks.lo, blocks.rows, linear_layer.bias)
-                elif isinstance(linear_layer, BlockLinear):
+                    continue
+                any_rows = False  # the kernels below take at most MAX_ROWS rows
+                if isinstance(linear_layer, BlockLinear):
                     blocks = linear_layer.blocks
                     cpp.set_linear(which, blocks.q, blocks.scale_offset, blocks.zero, blocks.rows, None, linear_layer.bias)
                 elif isinstance(linear_layer, PackedLinear) and linear_layer.skinny:
@@ -420,6 +427,7 @@ class Transformer(nn.Module):
             cpp.set_norms([getattr(layer, n).weight.detach() for n in names], *qk)
             built.append(cpp)
         self.decode_layers = built
+        self.layers_take_any_rows = any_rows
         return True
 
     def forward(self, tokens: Tensor, positions: Tensor, cache, tables: Tensor,
@@ -436,7 +444,7 @@ class Transformer(nn.Module):
         kernels = self.cpu_kernels and x.device.type == "cpu" and x.dtype == torch.float32
         ctx = ForwardContext(self.args, cache, tables.contiguous(), positions.contiguous(), x.dtype, kernels)
         B, T = tokens.shape
-        ctx.small_step = kernels and T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS  # where the C++ layers run
+        ctx.cpp_layers = kernels and (self.layers_take_any_rows or T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS)
         for layer in m.layers:
             x = layer(x, ctx)
         if logit_index is not None:

@@ -15,6 +15,7 @@
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -39,6 +40,9 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+// rows per thread for an op of n features a row: below ~64K values a thread's start costs more than the work
+inline int64_t row_grain(int64_t n) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, n)); }
 
 inline __mmask16 tail_mask(int64_t left) { return left >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
@@ -79,7 +83,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
   at::Tensor y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) rms_norm_row(xp + r * n, wp, (float)eps, (float)offset, n, yp + r * n);
+  // rows split across threads only for a prefill's many rows; each row's arithmetic is the same either way
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, (float)eps, (float)offset, n, yp + r * n);
+  });
   return y;
 }
 
@@ -92,23 +99,54 @@ at::Tensor gated_act(const at::Tensor& gate_up, bool gelu) {
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float *g = gp + r * 2 * n, *u = g + n;
-    for (int64_t i = 0; i < n; i += LANES) {
-      const __mmask16 m = tail_mask(n - i);
-      const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
-      // SiLU: x / (1 + e^-x). GELU (tanh form): 0.5 x (1 + tanh(y)) = x / (1 + e^-2y), which has no
-      // cancellation where tanh(y) nears -1.
-      __m512 z = _mm512_sub_ps(_mm512_setzero_ps(), x);
-      if (gelu) {
-        const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-        z = _mm512_mul_ps(_mm512_set1_ps(-2.0f * 0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = gp + r * 2 * n, *u = g + n;
+      for (int64_t i = 0; i < n; i += LANES) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+        // SiLU: x / (1 + e^-x). GELU (tanh form): 0.5 x (1 + tanh(y)) = x / (1 + e^-2y), which has no
+        // cancellation where tanh(y) nears -1.
+        __m512 z = _mm512_sub_ps(_mm512_setzero_ps(), x);
+        if (gelu) {
+          const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+          z = _mm512_mul_ps(_mm512_set1_ps(-2.0f * 0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+        }
+        const __m512 a = _mm512_div_ps(x, _mm512_add_ps(one, exp16(z)));
+        _mm512_mask_storeu_ps(yp + r * n + i, m, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, u + i)));
       }
-      const __m512 a = _mm512_div_ps(x, _mm512_add_ps(one, exp16(z)));
-      _mm512_mask_storeu_ps(yp + r * n + i, m, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, u + i)));
     }
-  }
+  });
   return y;
+}
+
+// o[0:D] += w[s] * values[s][0:D] for s in [from, to), in that order in every lane; the running sums stay in
+// registers across the keys (C = D / 16 of them where the head size is one we serve).
+template <int C>
+inline void accumulate_fixed(float* o, const float* w, const float* const* values, int64_t from, int64_t to) {
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_loadu_ps(o + c * LANES);
+  for (int64_t s = from; s < to; ++s) {
+    const __m512 ws = _mm512_set1_ps(w[s]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(ws, _mm512_loadu_ps(values[s] + c * LANES), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + c * LANES, acc[c]);
+}
+
+inline void accumulate_values(float* o, const float* w, const float* const* values, int64_t from, int64_t to, int64_t d) {
+  switch (d) {
+    case 64: return accumulate_fixed<4>(o, w, values, from, to);
+    case 128: return accumulate_fixed<8>(o, w, values, from, to);
+    case 256: return accumulate_fixed<16>(o, w, values, from, to);
+    default:
+      for (int64_t i = 0; i < d; i += LANES) {
+        const __mmask16 m = tail_mask(d - i);
+        __m512 acc = _mm512_maskz_loadu_ps(m, o + i);
+        for (int64_t s = from; s < to; ++s)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(w[s]), _mm512_maskz_loadu_ps(m, values[s] + i), acc);
+        _mm512_mask_storeu_ps(o + i, m, acc);
+      }
+  }
 }
 
 // Rotate-half rotary embedding of one head vector in place: x' = x * cos + rotate_half(x) * sin.
@@ -184,44 +222,98 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
 
   at::Tensor out = at::empty({B * T, H * D}, qkv.options());
   float* op = out.data_ptr<float>();
+  // Work item: a tile of query vectors (up to ROW_TILE rows of one sequence x heads of one kv head), so
+  // each key and value row read from L2 serves every query of the tile from L1: at 512 prompt rows
+  // re-reading the keys per query made attention memory-bound (2.5x SDPA). A query's arithmetic is the
+  // same in any tile, so a token's output doesn't depend on the rows beside it.
+  constexpr int64_t ROW_TILE = 16;
+  const int64_t G = H / Hkv, row_tiles = (T + ROW_TILE - 1) / ROW_TILE;
+  int64_t heads_per_tile = G;  // fewer where there would be too few tiles to keep the threads busy
+  while (heads_per_tile % 2 == 0 && B * Hkv * row_tiles * (G / heads_per_tile) < 2 * at::get_num_threads())
+    heads_per_tile /= 2;
+  if (B * Hkv * row_tiles * (G / heads_per_tile) < 2 * at::get_num_threads()) heads_per_tile = 1;
+  const int64_t head_tiles = G / heads_per_tile, per_seq = Hkv * head_tiles * row_tiles, items = B * per_seq;
   int64_t longest = 0;
   for (int64_t i = 0; i < B * T; ++i) longest = std::max(longest, pos[i] + 1);
-  // one work item = one query row and head; split across threads only when there is enough of it
-  const int64_t items = B * T * H, grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, longest * D));
+  // one thread where the whole step is smaller than a thread's start-up is worth
+  const int64_t grain = B * T * H * longest * D < (1 << 16) ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(D), scores(longest);
-    std::vector<const float*> keys(longest), values(longest);
+    std::vector<float> q, scores;
+    std::vector<const float*> keys, values;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / H, h = item % H, b = row / T, g = h / (H / Hkv);
-      const float* src = qkvp + row * width + h * D;
-      if (qn) rms_norm_row(src, qn, (float)eps, (float)norm_offset, D, q.data());
-      else std::copy(src, src + D, q.data());
-      rope(q.data(), cp + row * D, sp + row * D, D);
-      const int64_t p = pos[row], lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, n = p + 1 - lo;
-      for (int64_t s = 0; s < n; ++s) {  // each position's key and value rows, through the block table
-        keys[s] = cache_at(kc, b, g, lo + s);
-        values[s] = cache_at(vc, b, g, lo + s);
+      // causal rows: a late tile reads more keys; alternate late and early tiles across the range so that
+      // the contiguous shares of the threads are even
+      const int64_t b = item / per_seq, rest = item % per_seq;
+      const int64_t t_idx = rest % 2 == 0 ? rest / 2 : per_seq - 1 - rest / 2;
+      const int64_t rt = t_idx % row_tiles, ht = (t_idx / row_tiles) % head_tiles, g = t_idx / (row_tiles * head_tiles);
+      const int64_t r0 = b * T + rt * ROW_TILE, r1 = std::min(b * T + T, r0 + ROW_TILE);
+      const int64_t h0 = g * G + ht * heads_per_tile, nq = (r1 - r0) * heads_per_tile;
+      int64_t first = INT64_MAX, last = 0;  // keys any query of the tile reads
+      for (int64_t row = r0; row < r1; ++row) {
+        first = std::min(first, window > 0 ? std::max<int64_t>(0, pos[row] - window + 1) : 0);
+        last = std::max(last, pos[row]);
       }
-      float top = -INFINITY;
-      for (int64_t s = 0; s < n; ++s) {
-        scores[s] = dot(q.data(), keys[s], D) * (float)scale;
-        top = std::max(top, scores[s]);
+      const int64_t span = last + 1 - first;
+      q.resize(nq * D), scores.resize(nq * span), keys.resize(span), values.resize(span);
+      for (int64_t s = 0; s < span; ++s) {
+        keys[s] = cache_at(kc, b, g, first + s);
+        values[s] = cache_at(vc, b, g, first + s);
       }
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t s = 0; s < n; s += LANES) {
-        const __mmask16 m = tail_mask(n - s);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + s), _mm512_set1_ps(top)));
-        _mm512_mask_storeu_ps(scores.data() + s, m, e);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+      for (int64_t j = 0; j < nq; ++j) {  // queries: normed, rotated
+        const int64_t row = r0 + j / heads_per_tile, h = h0 + j % heads_per_tile;
+        const float* src = qkvp + row * width + h * D;
+        float* qj = q.data() + j * D;
+        if (qn) rms_norm_row(src, qn, (float)eps, (float)norm_offset, D, qj);
+        else std::copy(src, src + D, qj);
+        rope(qj, cp + row * D, sp + row * D, D);
       }
-      const float inv = 1.0f / _mm512_reduce_add_ps(total);
-      float* o = op + row * H * D + h * D;
-      for (int64_t i = 0; i < D; i += LANES) {  // D is a multiple of 16 in every model we serve
-        const __mmask16 m = tail_mask(D - i);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t s = 0; s < n; ++s)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[s]), _mm512_maskz_loadu_ps(m, values[s] + i), acc);
-        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+      auto visible = [&](int64_t j, int64_t& lo, int64_t& n) {  // query j reads keys [lo, lo + n) of the span
+        const int64_t p = pos[r0 + j / heads_per_tile];
+        lo = (window > 0 ? std::max<int64_t>(0, p - window + 1) : 0) - first, n = p - first + 1 - lo;
+      };
+      for (int64_t s0 = 0; s0 < span; s0 += LANES) {  // scores, 16 keys at a time for every query
+        for (int64_t j = 0; j < nq; ++j) {
+          int64_t lo, n;
+          visible(j, lo, n);
+          const int64_t from = std::max(s0, lo), to = std::min(s0 + LANES, lo + n);
+          for (int64_t s = from; s < to; ++s) scores[j * span + s] = dot(q.data() + j * D, keys[s], D) * (float)scale;
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {  // softmax weights, unnormalised; the sum's lanes start at lo
+        int64_t lo, n;
+        visible(j, lo, n);
+        float* sc = scores.data() + j * span + lo;
+        float top = -INFINITY;
+        for (int64_t s = 0; s < n; ++s) top = std::max(top, sc[s]);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t s = 0; s < n; s += LANES) {
+          const __mmask16 m = tail_mask(n - s);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s), _mm512_set1_ps(top)));
+          _mm512_mask_storeu_ps(sc + s, m, e);
+          total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+        }
+        // the normaliser waits in q (no longer needed) until the values are summed
+        q[j * D] = 1.0f / _mm512_reduce_add_ps(total);
+      }
+      for (int64_t j = 0; j < nq; ++j) std::fill(op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile) * D,
+                                                 op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile + 1) * D, 0.0f);
+      for (int64_t s0 = 0; s0 < span; s0 += LANES) {  // weighted values, in key order for each query
+        for (int64_t j = 0; j < nq; ++j) {
+          int64_t lo, n;
+          visible(j, lo, n);
+          const int64_t from = std::max(s0, lo), to = std::min(s0 + LANES, lo + n);
+          if (from < to)
+            accumulate_values(op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile) * D,
+                              scores.data() + j * span, values.data(), from, to, D);
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        float* o = op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile) * D;
+        const __m512 inv = _mm512_set1_ps(q[j * D]);
+        for (int64_t i = 0; i < D; i += LANES) {
+          const __mmask16 m = tail_mask(D - i);
+          _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + i), inv));
+        }
       }
     }
   });
