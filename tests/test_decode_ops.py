@@ -23,10 +23,10 @@ def reference_rms_norm(x, w, eps, offset):
 @pytest.mark.parametrize("n", [64, 576, 100])  # 100: a masked tail
 def test_rms_norm_matches_pytorch_and_rows_are_independent(offset, n):
     gen = torch.Generator().manual_seed(n)
-    x, w = torch.randn(7, n, generator=gen) * 3, torch.randn(n, generator=gen)
+    x, w = torch.randn(1200, n, generator=gen) * 3, torch.randn(n, generator=gen)  # enough rows for both threads
     out = torch.ops.tandem.rms_norm(x, w, 1e-6, offset)
     torch.testing.assert_close(out, reference_rms_norm(x, w, 1e-6, offset), rtol=2e-6, atol=2e-6)
-    for r in range(7):
+    for r in (0, 1, 6, 700, 1199):
         assert torch.equal(torch.ops.tandem.rms_norm(x[r:r + 1].clone(), w, 1e-6, offset), out[r:r + 1])
 
 
@@ -39,6 +39,9 @@ def test_gated_activation_matches_pytorch(gelu):
     act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
     out = torch.ops.tandem.gated_act(gate_up, gelu)
     assert torch.isfinite(out).all()
+    many = torch.randn(100, 2 * 1540, generator=gen)  # rows split across threads: each row as alone
+    both = torch.ops.tandem.gated_act(many, gelu)
+    assert all(torch.equal(torch.ops.tandem.gated_act(many[r:r + 1].clone(), gelu), both[r:r + 1]) for r in (0, 57, 99))
     # PyTorch's tanh form cancels to 0 where ours keeps a tiny value: absolute tolerance at values ~100
     torch.testing.assert_close(out, act * up, rtol=1e-5, atol=1e-5)
 
@@ -115,6 +118,43 @@ def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norm
             sin[:, t].contiguous(), q_norm, k_norm, 1e-6, 1.0, heads, scale, window))
     assert torch.equal(torch.stack(rows, 1).view(B * T, -1), out)
     assert torch.equal(k_one, ours_k) and torch.equal(v_one, ours_v)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,norms,window", [(9, 3, 64, False, 0), (4, 1, 256, True, 24)])
+def test_a_prompt_cut_anywhere_gets_the_same_attention_bits_as_in_one_call(heads, kv_heads, dim, norms, window):
+    """70 prompt rows from position 5 (tiles of 16 rows, key groups aligned to positions): in one call,
+    and cut into calls of 1, 16, 17 and 36 rows, every output row and cache entry is the same bits,
+    and both match the definition. (A prefill chunk's keys and values don't depend on where it ends.)"""
+    gen = torch.Generator().manual_seed(dim + window)
+    T, start, bs, num_blocks = 70, 5, 16, 8
+    positions = torch.arange(start, start + T)[None]
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1)[None]
+    k_cache, v_cache = torch.randn(2, num_blocks, kv_heads, bs, dim, generator=gen)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
+    q_norm, k_norm = (torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)) if norms else (None, None)
+    scale = 1 / math.sqrt(dim)
+
+    def run(cuts):
+        k, v, outs, at = k_cache.clone(), v_cache.clone(), [], 0
+        for n in cuts:
+            piece = slice(at, at + n)
+            outs.append(torch.ops.tandem.decode_attention(
+                qkv[piece].contiguous(), positions[:, piece].contiguous(), tables, k, v, cos[:, piece].contiguous(),
+                sin[:, piece].contiguous(), q_norm, k_norm, 1e-6, 1.0, heads, scale, window))
+            at += n
+        return torch.cat(outs), k, v
+
+    whole, k_whole, v_whole = run([T])
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref = reference_attention(qkv.view(1, T, -1).reshape(T, -1), positions, tables, ref_k, ref_v, cos, sin, q_norm,
+                              k_norm, 1e-6, 1.0, heads, scale, window)
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
+    for cuts in ([1] * 5 + [65], [16] * 4 + [6], [17, 17, 36], [36, 1, 33]):
+        out, k, v = run(cuts)
+        assert torch.equal(out, whole) and torch.equal(k, k_whole) and torch.equal(v, v_whole), cuts
 
 
 def test_attention_refuses_positions_and_blocks_outside_the_cache():
