@@ -6,7 +6,8 @@ reading and writing a paged KV cache through each row's block table (engine/kv_c
 
 On CPU in float32, once `pack_linears` has run, the ops between linears run on our kernels
 (csrc/decode_ops.cpp) and a decode or verify step runs each layer as one C++ call
-(csrc/decode_layer.cpp, the same kernels in the same order); on GPUs and in bfloat16, PyTorch ops.
+(csrc/decode_layer.cpp, the same kernels in the same order), and where every linear is on the int8
+kernel so does every forward, prefill chunks too; on GPUs and in bfloat16, PyTorch ops.
 """
 from __future__ import annotations
 
@@ -202,7 +203,7 @@ class Attention(nn.Module):
         return out
 
 
-SMALL_QUERY_ROWS = 16  # decode and verify steps; prefill goes to the fused SDPA kernel
+SMALL_QUERY_ROWS = 16  # decode and verify steps; longer prefill chunks go to SDPA (except on int8: C++)
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
