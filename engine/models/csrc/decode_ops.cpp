@@ -327,20 +327,19 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
         // the normaliser waits in q (no longer needed) until the values are summed
         q[j * D] = 1.0f / _mm512_reduce_add_ps(total);
       }
-      for (int64_t j = 0; j < nq; ++j) std::fill(op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile) * D,
-                                                 op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile + 1) * D, 0.0f);
+      auto out_of = [&](int64_t j) { return op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile) * D; };
+      for (int64_t j = 0; j < nq; ++j) std::fill(out_of(j), out_of(j) + D, 0.0f);
       for (int64_t s0 = 0; s0 < span; s0 += LANES) {  // weighted values, in key order for each query
         for (int64_t j = 0; j < nq; ++j) {
           int64_t lo, n;
           visible(j, lo, n);
           const int64_t from = std::max(s0, lo), to = std::min(s0 + LANES, lo + n);
           if (from < to)
-            accumulate_values(op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile) * D,
-                              scores.data() + j * stride + LANES, values.data(), from, to, D);
+            accumulate_values(out_of(j), scores.data() + j * stride + LANES, values.data(), from, to, D);
         }
       }
       for (int64_t j = 0; j < nq; ++j) {
-        float* o = op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile) * D;
+        float* o = out_of(j);
         const __m512 inv = _mm512_set1_ps(q[j * D]);
         for (int64_t i = 0; i < D; i += LANES) {
           const __mmask16 m = tail_mask(D - i);
