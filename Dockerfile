@@ -19,4 +19,7 @@ RUN pip install --no-cache-dir torch==2.13.0 \
 RUN python -c "from engine.models.loading import resolve_model, load_state_dict, load_tokenizer; \
 [(load_state_dict(resolve_model(m)), load_tokenizer(resolve_model(m))) for m in \
 ('google/gemma-3-270m', 'HuggingFaceTB/SmolLM2-135M-Instruct')]"
+# Serve's controller reconciles every 1 s instead of 0.1 s: on a small CPU node its idle work slowed the
+# model's steps (deployments/cli.py SERVE_ENV_DEFAULTS); set it lower for faster reactions to deploys.
+ENV RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1
 EXPOSE 8000 9000 8080 6379 8265 10001

@@ -99,6 +99,9 @@ def start_tandem(args_override: dict, ray_started: list) -> tuple[Server, callab
     app_args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
     app_args = {**app_args, **args_override, "grpc_port": None}
     if not ray_started:
+        from deployments.cli import apply_serve_env_defaults
+
+        apply_serve_env_defaults()  # as `tandem serve` and the image run Serve
         ray.init(include_dashboard=False, log_to_driver=False)
         ray_started.append(True)
     port = free_port()

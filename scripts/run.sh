@@ -5,4 +5,6 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 [ -f .venv/.tandem-ready ] || bash scripts/setup.sh
+# Serve's controller every 1 s, not 0.1 s: its idle work slows the model on a small CPU node (README)
+export RAY_SERVE_CONTROL_LOOP_INTERVAL_S="${RAY_SERVE_CONTROL_LOOP_INTERVAL_S:-1}"
 exec .venv/bin/serve run serve_config.yaml "$@"

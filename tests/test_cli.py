@@ -115,3 +115,18 @@ def test_placement_settings_are_checked_before_anything_starts():
         parse_args({"model": "random:tiny-llama", "coordinator_resources": {"GPU": 1}})
     with pytest.raises(ValueError, match="coordinator_resources"):
         parse_args({"model": "random:tiny-llama", "coordinator_resources": {"tandem_coordinator": 0}})
+
+
+def test_serve_env_defaults_fill_unset_names_only_and_match_the_image():
+    from deployments.cli import SERVE_ENV_DEFAULTS, apply_serve_env_defaults
+
+    environ = {}
+    apply_serve_env_defaults(environ)
+    assert environ == SERVE_ENV_DEFAULTS and environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "1"
+    mine = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}  # an operator's own setting wins
+    apply_serve_env_defaults(mine)
+    assert mine == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+    # the image (KubeRay's pods) runs Serve the way `tandem serve` does
+    dockerfile = (Path(__file__).resolve().parent.parent / "Dockerfile").read_text()
+    for name, value in SERVE_ENV_DEFAULTS.items():
+        assert f"ENV {name}={value}" in dockerfile
