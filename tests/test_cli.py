@@ -126,7 +126,9 @@ def test_serve_env_defaults_fill_unset_names_only_and_match_the_image():
     mine = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}  # an operator's own setting wins
     apply_serve_env_defaults(mine)
     assert mine == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
-    # the image (KubeRay's pods) runs Serve the way `tandem serve` does
-    dockerfile = (Path(__file__).resolve().parent.parent / "Dockerfile").read_text()
+    # the image (KubeRay's pods) and scripts/run.sh (`serve run`) run Serve the way `tandem serve` does
+    root = Path(__file__).resolve().parent.parent
+    dockerfile, run_sh = (root / "Dockerfile").read_text(), (root / "scripts" / "run.sh").read_text()
     for name, value in SERVE_ENV_DEFAULTS.items():
         assert f"ENV {name}={value}" in dockerfile
+        assert f'export {name}="${{{name}:-{value}}}"' in run_sh
