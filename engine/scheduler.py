@@ -216,10 +216,12 @@ class Scheduler:
             # the step's token budget: the decoding rows' verify tokens first, prefill chunks after
             decoding = [s for s in self.running if not s.prefilling]
             per_row = (self.spec.num_speculative_tokens if self.spec else 0) + 1
-            seqs += self._prefill_chunks(self.max_num_batched_tokens - per_row * len(decoding))
+            riding = self._prefill_chunks(self.max_num_batched_tokens - per_row * len(decoding), bool(decoding), seqs)
             rows = [s for s in self.running if not s.prefilling]
             if rows:
-                seqs += self._round_isolating(rows)
+                seqs += self._round_isolating(rows, riding)
+            elif riding:
+                self._run_prefills([(seq, chunk, None) for seq, chunk in riding], None, seqs)
         except ExecutorError as e:
             log.error("a model group failed; failing %d running requests and restarting the groups: %s",
                       len(self.running), e)
@@ -230,12 +232,18 @@ class Scheduler:
                 self.counters.finished(seq.finish_reason)
         return seqs
 
-    def _round_isolating(self, rows: list[Sequence]) -> list[Sequence]:
+    def _round_isolating(self, rows: list[Sequence], chunks: list[tuple[Sequence, Prefill]] = ()) -> list[Sequence]:
         """A step that raised in a live worker is retried row by row: the row that raises alone fails
-        alone, the others go on (their caches are rewritten at the same positions)."""
+        alone, the others go on (their caches are rewritten at the same positions). Prompt chunks that
+        rode in it are prefilled on their own first, each alone if need be."""
         try:
-            return self._round(rows)
+            return self._round(rows, chunks)
         except StepError as e:
+            if chunks:
+                log.warning("a step carrying %d prompt chunks raised (%s); prefilling them on their own", len(chunks), e)
+                failed: list[Sequence] = []
+                self._run_prefills([(seq, chunk, None) for seq, chunk in chunks if seq in self.running], None, failed)
+                return failed + self._round_isolating([seq for seq in rows if seq in self.running])
             if len(rows) == 1:
                 log.error("request %s failed: %s", rows[0].request_id, e, exc_info=e.__cause__)
                 self._fail(rows[0], INTERNAL_ERROR)
@@ -243,7 +251,9 @@ class Scheduler:
             log.warning("a step of %d rows raised (%s); running each row alone", len(rows), e)
             return [seq for row in rows for seq in self._round_isolating([row])]
 
-    def _round(self, rows: list[Sequence]) -> list[Sequence]:
+    def _round(self, rows: list[Sequence], chunks: list[tuple[Sequence, Prefill]] = ()) -> list[Sequence]:
+        """One propose / verify / sample round for the decoding rows; `chunks`: prompt chunks of
+        prefilling sequences the target writes in the same forward."""
         start = time.perf_counter()
         ahead_on = self.spec is not None and self.spec.draft_ahead and self.ahead_policy.use(len(rows))
         blocks = [self._ahead_block(seq) if ahead_on else None for seq in rows]
@@ -254,8 +264,11 @@ class Scheduler:
             and self.costs.can_pay(len(rows))
         ks = [len(blk) if blk else self._num_drafts(seq, len(rows), pays) for seq, blk in zip(rows, blocks)]
         rows, ks, blocks = self._make_room(rows, ks, blocks, ahead_on)
+        chunks = [(seq, chunk) for seq, chunk in chunks if seq in self.running]  # not preempted for room
         if not rows:
-            return []
+            failed: list[Sequence] = []
+            self._run_prefills([(seq, chunk, None) for seq, chunk in chunks], None, failed)
+            return failed
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
             seq_ids=[s.seq_id for s in rows],
@@ -264,6 +277,7 @@ class Scheduler:
             sampling=sampling,
             tables=[s.target.blocks for s in rows],
             ahead_counts=[len(blk) if blk else 0 for blk in blocks],
+            prefill=[chunk for _, chunk in chunks],
         )
         # the draft proposes unpenalized (any q keeps verification exact): no histories; a grammar's
         # state there learns the output tokens it hasn't seen
@@ -287,6 +301,9 @@ class Scheduler:
         ahead_rows = set(ahead.draft.seq_ids) if ahead is not None else set()
         self.ahead_drafted += len(ahead_rows)
         result = self.executor.step(verify, draft, ahead)
+        for seq, chunk in chunks:
+            seq.target.computed += len(chunk.tokens)
+            self._commit(seq)
         proposed = {}
         if result.ahead is not None:
             proposed = {i: t for i, t in zip(result.ahead.seq_ids, result.ahead.tokens)
@@ -331,6 +348,8 @@ class Scheduler:
             else:
                 self._commit(seq)
         elapsed = time.perf_counter() - start
+        if chunks:  # a prefill's time in the target's forward: not what a round of these rows costs
+            return rows
         if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
             # a draft's time includes catching up on the tokens it missed (plain steps before a
             # probe): a real cost of drafting now and then, which keeps the policy from flapping
@@ -520,13 +539,18 @@ class Scheduler:
             seq.prefill_target = len(tokens) - 1  # the last token is fed by the first step
         return failed
 
-    def _prefill_chunks(self, budget: int) -> list[Sequence]:
+    def _prefill_chunks(self, budget: int, rounds: bool, failed: list[Sequence]) -> list[tuple[Sequence, Prefill]]:
         """Prefill admitted sequences, oldest first, up to `budget` tokens in each model this step;
-        return those that failed doing so. The chunks go to each model group in one call (one
+        those that fail doing so go to `failed`. The chunks go to each model group in one call (one
         forward or a few for all of them); a chunk writes the same keys and values wherever it ends.
-        A chunk whose prompt logprobs are wanted runs alone (its logits span the vocabulary)."""
-        failed: list[Sequence] = []
+        A chunk whose prompt logprobs are wanted runs alone (its logits span the vocabulary).
+
+        When this step has a round of decoding rows (`rounds`), the target's chunks of sequences that
+        are still prefilling after them are returned instead, to ride in the round's forward: a long
+        prompt then costs the running streams no forward of their own per chunk. A prompt's last
+        chunk is prefilled before the round, which then decodes the sequence too."""
         batch: list[tuple[Sequence, Prefill | None, Prefill | None]] = []
+        riding: list[tuple[Sequence, Prefill]] = []
         for seq in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
@@ -540,11 +564,15 @@ class Scheduler:
             if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) and target:
                 scored = (tokens[t0 + n_target], seq.params.prompt_logprobs)  # the token after the chunk
                 self._run_prefills([(seq, target, draft)], scored, failed)
+            elif rounds and target is not None and t0 + n_target < seq.prefill_target:
+                riding.append((seq, target))
+                if draft is not None:
+                    batch.append((seq, None, draft))
             else:
                 batch.append((seq, target, draft))
         if batch:
             self._run_prefills(batch, None, failed)
-        return failed
+        return [(seq, chunk) for seq, chunk in riding if seq in self.running]
 
     def _run_prefills(self, batch: list[tuple[Sequence, Prefill | None, Prefill | None]],
                       scored: tuple[int, int] | None, failed: list[Sequence]) -> None:

@@ -138,6 +138,9 @@ class VerifyBatch:
     # [B] with draft-ahead: > 0 takes that many drafts from the previous step's draft-ahead block
     # (after its first proposal), 0 the fresh drafts; empty: all fresh
     ahead_counts: list[int] = field(default_factory=list)
+    # prompt chunks of sequences still prefilling, written into the target's cache by this step's
+    # forward (chunked prefill without a forward of its own; no logits)
+    prefill: list[Prefill] = field(default_factory=list)
 
 
 @dataclass

@@ -31,9 +31,17 @@ class Verifier:
         row_drafts, q = merge_drafts(batch.seq_ids, drafts, ahead, batch.ahead_counts or [0] * B)
         counts = [len(d) for d in row_drafts]
         feed = [batch.pending[b] + row_drafts[b] for b in range(B)]
-        logits = self.worker.forward(batch.tables, batch.starts, feed)  # [B, T, V]
         # row b's k_b + 1 verified positions, flat: vLLM's [num_draft_tokens + B, V]
-        flat, firsts = scored_positions(logits, batch.pending, [k + 1 for k in counts])
+        chunks = batch.prefill
+        if chunks and self.worker.takes_ragged_rows:  # the prompt chunks ride in this forward, unpadded
+            flat, firsts = self.worker.forward_ragged(
+                batch.tables + [c.table for c in chunks], batch.starts + [c.start for c in chunks],
+                feed + [c.tokens for c in chunks], [(len(p) - 1, k + 1) for p, k in zip(batch.pending, counts)])
+        else:
+            if chunks:  # the same keys and values, in a forward of their own first
+                self.worker.prefill(chunks)
+            logits = self.worker.forward(batch.tables, batch.starts, feed)  # [B, T, V]
+            flat, firsts = scored_positions(logits, batch.pending, [k + 1 for k in counts])
         flat = mask_tokens(flat, held_back_pairs(batch.sampling, firsts, [k + 1 for k in counts]), inplace=True)
         params = [row.params for row in batch.sampling]
         apply_penalties(flat, batch.sampling, firsts, [k + 1 for k in counts], row_drafts)

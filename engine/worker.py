@@ -157,6 +157,40 @@ class ModelWorker:
             logit_index = torch.zeros(B, 0, dtype=torch.long, device=dev)
         return self.model(ids, positions.to(dev), self.cache, table.to(dev), logit_index)
 
+    @property
+    def takes_ragged_rows(self) -> bool:
+        """Whether forward_ragged runs here: every layer in C++ on the int8 kernel (rows independent)."""
+        return self.model.layers_take_any_rows
+
+    @torch.inference_mode()
+    def forward_ragged(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]],
+                       scored: list[tuple[int, int]]) -> tuple[Tensor, list[int]]:
+        """Rows of any lengths in one forward, without padding: a decode step's rows beside prompt
+        chunks of hundreds of tokens. Row b writes tokens[b] at starts[b].. through tables[b].
+        scored[b] = (first, count) for the first len(scored) rows: logits at tokens[b][first:first + count].
+
+        Returns (float32 logits [sum counts, V] in row order, where each scored row's begin)."""
+        dev = self.device
+        lengths = [len(t) for t in tokens]
+        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long)[None]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])[None]
+        row_seqs = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(lengths))
+        width = -(-max(s + n for s, n in zip(starts, lengths)) // self.block_size)
+        table = torch.zeros(len(tables), width, dtype=torch.long)
+        for b, row in enumerate(tables):
+            row = row[:width]
+            table[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        offsets, firsts, index = 0, [], []
+        for b, n in enumerate(lengths):
+            if b < len(scored):
+                first, count = scored[b]
+                firsts.append(len(index))
+                index.extend(range(offsets + first, offsets + first + count))
+            offsets += n
+        logit_index = torch.tensor(index, dtype=torch.long)[None].to(dev)
+        logits = self.model(ids.to(dev), positions.to(dev), self.cache, table.to(dev), logit_index, row_seqs.to(dev))
+        return logits[0], firsts
+
     @torch.inference_mode()
     def prefill_scored(self, table: list[int], first: int, tokens: list[int], answers: list[int], top: int,
                        chunk: int = 64) -> list[TokenLogprob]:

@@ -141,6 +141,59 @@ def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(mode
         assert all(torch.equal(a, b) for a, b in zip(got, kv[4096])), budget
 
 
+@pytest.mark.skipif(not int8_kernel_available(), reason="no AVX-512 VNNI or no compiler on this machine")
+def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits():
+    """While a stream decodes, a long prompt's chunks are written by the decode step's own forward
+    (ragged rows, no prefill forward of their own) except its last; its keys and values are those
+    of a prefill alone, bit for bit, and the stream's greedy tokens are those it gets alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    prompt = prompt_of(alone, 300)["prompt_token_ids"]
+    want_stream = alone.generate(prompt_of(alone, 9), params)[0].outputs[0].token_ids
+    seq = alone.scheduler.add("long", None, prompt, params)
+    alone.scheduler.step()  # admitted and prefilled in one step
+    want_kv = _prompt_kv(alone, seq, len(prompt))
+
+    llm = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=64, enable_prefix_caching=False)
+    worker = llm.executor.target.worker
+    assert worker.takes_ragged_rows
+    prefill_calls = []
+    real_prefill = worker.prefill
+    worker.prefill = lambda chunks, *a, **k: (prefill_calls.append(len(chunks)), real_prefill(chunks, *a, **k))[1]
+    stream = llm.scheduler.add("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
+    llm.scheduler.step()
+    assert prefill_calls == [1]  # the stream's own prompt: nothing was decoding
+    long = llm.scheduler.add("long", None, prompt, params)
+    steps = 0
+    while long.prefilling or not long.started:
+        llm.scheduler.step()
+        steps += 1
+    assert steps == -(-299 // 63) and prefill_calls == [1, 1]  # only the last chunk had a forward of its own
+    for got, want in zip(_prompt_kv(llm, long, len(prompt)), want_kv):
+        assert torch.equal(got, want)
+    while not stream.finished:
+        llm.scheduler.step()
+    assert stream.output_ids == want_stream
+
+
+def test_a_chunk_that_raises_in_a_decode_steps_forward_fails_its_request_alone(reference, caplog):
+    """A prompt chunk riding in the decode step (here prefilled inside the target's call, before its
+    forward) that raises: the step's chunks are prefilled on their own and its rows retried, so
+    only that request fails; the running stream's tokens are those it gets alone."""
+    ref_llm, want = reference
+    llm = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=32, enable_prefix_caching=False)
+    sched = llm.scheduler
+    stream = sched.add("stream", None, prompt_of(ref_llm, 15)["prompt_token_ids"], GREEDY)
+    sched.step()
+    poisoned = sched.add("poisoned", None, [5] * 100 + [10**6] + [5] * 100, GREEDY)
+    while not stream.finished:
+        sched.step()
+    assert stream.output_ids == want[15]
+    assert poisoned.finish_reason == "error" and "Traceback" not in poisoned.error.message
+    assert "prompt chunks raised" in caplog.text
+    assert not sched.running and sched.target_kv.pool.num_free == sched.target_kv.pool.num_blocks - 1
+
+
 def test_padded_groups_bound_the_padding_and_keep_every_chunk_once():
     for lengths in ([7, 6, 8, 5, 7, 9, 6], [256, 7, 7, 7], [100, 90, 95, 30, 29], [1] * 20, [300, 300, 1], [1]):
         groups = padded_groups(lengths, max_rows=512)

@@ -157,6 +157,42 @@ def test_a_prompt_cut_anywhere_gets_the_same_attention_bits_as_in_one_call(heads
         assert torch.equal(out, whole) and torch.equal(k, k_whole) and torch.equal(v, v_whole), cuts
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,norms,window", [(9, 3, 64, False, 0), (4, 1, 256, True, 24)])
+def test_ragged_rows_get_the_bits_of_each_sequence_alone(heads, kv_heads, dim, norms, window):
+    """A step's rows of different lengths in one call (row_seqs names each token's block table): two
+    decode rows, a verify row of 4 and a 40-token prompt chunk, each output row and cache entry the
+    same bits as that sequence's rows in a call of their own. (A chunk rides in a decode step.)"""
+    gen = torch.Generator().manual_seed(dim + heads)
+    bs, num_blocks = 16, 24
+    starts, lengths = [30, 7, 50, 18], [1, 1, 4, 40]
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1)[:4 * 5].view(4, 5)
+    k_cache, v_cache = torch.randn(2, num_blocks, kv_heads, bs, dim, generator=gen)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])[None]
+    row_seqs = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    N = positions.shape[1]
+    qkv = torch.randn(N, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
+    q_norm, k_norm = (torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)) if norms else (None, None)
+    scale = 1 / math.sqrt(dim)
+    k, v = k_cache.clone(), v_cache.clone()
+    ragged = torch.ops.tandem.decode_attention(qkv, positions, tables, k, v, cos, sin, q_norm, k_norm, 1e-6, 1.0,
+                                               heads, scale, window, row_seqs)
+    k_alone, v_alone, outs, at = k_cache.clone(), v_cache.clone(), [], 0
+    for b, n in enumerate(lengths):
+        piece = slice(at, at + n)
+        outs.append(torch.ops.tandem.decode_attention(
+            qkv[piece].contiguous(), positions[:, piece].contiguous(), tables[b:b + 1].contiguous(), k_alone, v_alone,
+            cos[:, piece].contiguous(), sin[:, piece].contiguous(), q_norm, k_norm, 1e-6, 1.0, heads, scale, window))
+        at += n
+    assert torch.equal(ragged, torch.cat(outs))
+    assert torch.equal(k, k_alone) and torch.equal(v, v_alone)
+    with pytest.raises(RuntimeError, match="row_seqs"):  # a row naming a table the step doesn't have
+        torch.ops.tandem.decode_attention(qkv, positions, tables, k, v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads,
+                                          scale, window, row_seqs + 1)
+
+
 def test_attention_refuses_positions_and_blocks_outside_the_cache():
     k_cache, v_cache = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)  # 2 blocks of 8
     qkv, trig = torch.zeros(1, 3 * 16), torch.zeros(1, 1, 16)

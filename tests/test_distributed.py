@@ -97,12 +97,15 @@ def worker_pids(engine: AsyncEngine) -> set[int]:
 def test_a_poisoned_row_fails_alone(ray_engine, reference):
     """Rows that bypass the edge's validation still fail alone: an unsampleable distribution (NaN),
     a token id the embedding can't index (the whole forward raises: rows are retried one by one),
-    the same in prefill. The other rows of those steps keep their exact output; no worker restarts."""
+    the same in prefill (a long prompt's too, admitted beside running rows: its draft chunk raises).
+    The other rows of those steps keep their exact output; no worker restarts."""
     from engine.core import TokenizedPrompt
 
     pids = worker_pids(ray_engine)
     nan_params = SamplingParams.model_construct(**{**greedy(20).model_dump(), "temperature": 1e-39})
-    bad = [("hello", nan_params, "probability"), (TokenizedPrompt(None, [10**6]), greedy(20), "internal"),
+    # the long one first: admitted beside the three good ones, its second chunk rides in their decode step
+    bad = [(TokenizedPrompt(None, [5] * 300 + [10**6] + [5] * 300), greedy(20), "internal"),
+           ("hello", nan_params, "probability"), (TokenizedPrompt(None, [10**6]), greedy(20), "internal"),
            (TokenizedPrompt(None, [1, 10**6, 3]), greedy(20), "internal")]
     results = run_all(ray_engine, PROMPTS[:3] + [b[0] for b in bad],
                       [greedy(n) for n in MAX_TOKENS[:3]] + [b[1] for b in bad])

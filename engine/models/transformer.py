@@ -171,7 +171,7 @@ class Attention(nn.Module):
                 qkv, ctx.positions, ctx.tables, ctx.cache.k[self.layer], ctx.cache.v[self.layer], cos, sin,
                 self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
                 self.q_norm.eps if qk else 0.0, self.q_norm.offset if qk else 0.0, self.num_heads, self.scale,
-                self.window or 0)
+                self.window or 0, ctx.row_seqs)
             return self._project_out(out.view(B, T, -1))
         if getattr(self, "qkv_proj", None) is not None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -291,7 +291,7 @@ class DecoderLayer(nn.Module):
             i = self.self_attn.layer
             cos, sin = ctx.rope[ctx.layer_rope[i]]
             out = self.kernel.forward(x.reshape(B * T, -1).contiguous(), ctx.positions, ctx.tables,
-                                      ctx.cache.k[i], ctx.cache.v[i], cos, sin)
+                                      ctx.cache.k[i], ctx.cache.v[i], cos, sin, ctx.row_seqs)
             return out.view(B, T, -1)
         k = ctx.cpu_kernels
         if self.sandwich:  # Gemma: norm around each sub-block, residual outside
@@ -317,6 +317,7 @@ class ForwardContext:
         self.cache, self.tables, self.positions = cache, tables, positions  # tables [B, blocks], positions [B, T]
         self.cpu_kernels = cpu_kernels
         self.cpp_layers = False  # each layer as its C++ call, where built (decode and verify steps; any step on int8)
+        self.row_seqs: Tensor | None = None  # ragged rows: each token's row of `tables` (positions [1, N])
         self.layer_rope = args.layer_rope
         self._global_mask: Tensor | None = None
         self._window_masks: dict[int, Tensor] = {}
@@ -432,9 +433,11 @@ class Transformer(nn.Module):
         return True
 
     def forward(self, tokens: Tensor, positions: Tensor, cache, tables: Tensor,
-                logit_index: Tensor | None = None) -> Tensor:
+                logit_index: Tensor | None = None, row_seqs: Tensor | None = None) -> Tensor:
         """tokens, positions: [B, T]; tables: [B, blocks] each row's block table (covering its
-        positions); logit_index: [B, L] rows of T to return logits for.
+        positions); logit_index: [B, L] rows of T to return logits for. Ragged rows (where
+        layers_take_any_rows): tokens, positions [1, N], the sequences' tokens one after another,
+        row_seqs [N] each token's row of tables [S, blocks].
 
         Returns float32 logits [B, L, V] (L = T when logit_index is None).
         """
@@ -446,6 +449,10 @@ class Transformer(nn.Module):
         ctx = ForwardContext(self.args, cache, tables.contiguous(), positions.contiguous(), x.dtype, kernels)
         B, T = tokens.shape
         ctx.cpp_layers = kernels and (self.layers_take_any_rows or T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS)
+        if row_seqs is not None:
+            if not (ctx.cpp_layers and self.layers_take_any_rows):
+                raise ValueError("ragged rows need every layer in C++ on the int8 kernel")
+            ctx.row_seqs = row_seqs.contiguous()
         for layer in m.layers:
             x = layer(x, ctx)
         if logit_index is not None:

@@ -76,16 +76,18 @@ struct DecodeLayer : torch::CustomClassHolder {
     norms = std::move(layer_norms), q_norm = q, k_norm = k;
   }
 
-  // x [rows, hidden] float32 -> the layer's output; writes this step's keys and values into the caches
+  // x [rows, hidden] float32 -> the layer's output; writes this step's keys and values into the caches.
+  // row_seqs: each row's block table, for ragged rows (decode_attention)
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& tables, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin) {
+                     const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+                     const c10::optional<at::Tensor>& row_seqs) {
     TORCH_CHECK(!norms.empty(), "DecodeLayer: set_norms first");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
                 "DecodeLayer: x must be a contiguous float32 [rows, hidden] tensor");
     const bool sandwich = norms.size() == 4;
     const at::Tensor qkv = linears[QKV](rms_norm(x, norms[0], eps, norm_offset));
     const at::Tensor attn = decode_attention(qkv, positions, tables, k_cache, v_cache, cos, sin, q_norm, k_norm, eps,
-                                             norm_offset, heads, scale, window);
+                                             norm_offset, heads, scale, window, row_seqs);
     at::Tensor out = linears[O](attn);
     if (sandwich) out = rms_norm(out, norms[1], eps, norm_offset);
     TORCH_CHECK(out.sizes() == x.sizes(), "DecodeLayer: o_proj does not map back to the hidden size");

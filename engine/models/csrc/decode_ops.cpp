@@ -189,13 +189,29 @@ inline void rope(float* x, const float* cos, const float* sin, int64_t d) {
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& tables,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
                             const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                            double eps, double norm_offset, int64_t num_heads, double scale, int64_t window) {
+                            double eps, double norm_offset, int64_t num_heads, double scale, int64_t window,
+                            const c10::optional<at::Tensor>& row_seqs) {
   check_rows("decode_attention", qkv);
   TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "decode_attention: positions must be int64 [B, T]");
   const int64_t B = positions.size(0), T = positions.size(1);
-  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == B,
+  // each row's sequence (its block table): row / T, or row_seqs[row] for ragged rows ([1, N] positions: a
+  // step's rows of different lengths, each sequence's rows consecutive)
+  const bool ragged = row_seqs.has_value() && row_seqs->defined();
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() &&
+                  (ragged || tables.size(0) == B),
               "decode_attention: block tables must be int64 [B, blocks]");
+  const int64_t num_seqs = tables.size(0);
+  const int64_t* seq_of = nullptr;
+  if (ragged) {
+    TORCH_CHECK(row_seqs->dim() == 1 && row_seqs->scalar_type() == at::kLong && row_seqs->is_contiguous() &&
+                    row_seqs->numel() == B * T,
+                "decode_attention: row_seqs must be int64 [rows]");
+    seq_of = row_seqs->data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * T; ++i)
+      TORCH_CHECK(seq_of[i] >= 0 && seq_of[i] < num_seqs, "decode_attention: row_seqs names no block table");
+  }
+  auto seq_at = [&](int64_t row) { return seq_of ? seq_of[row] : row / T; };
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
               "decode_attention: caches must be contiguous float32 [blocks, kv_heads, block_size, head_dim]");
@@ -219,7 +235,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
   }
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* table = tables.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * NB; ++i)
+  for (int64_t i = 0; i < num_seqs * NB; ++i)
     TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "decode_attention: block id out of range");
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(pos[i] >= 0 && (pos[i] >> shift) < NB, "decode_attention: position outside its block table");
@@ -231,7 +247,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
   const int64_t width = qkv.size(1);
 
   for (int64_t row = 0; row < B * T; ++row) {  // this step's keys and values into the cache
-    const int64_t b = row / T;
+    const int64_t b = seq_at(row);
     const float* src = qkvp + row * width + H * D;
     for (int64_t g = 0; g < Hkv; ++g) {
       float* k = cache_at(kc, b, g, pos[row]);
@@ -249,14 +265,44 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
   // re-reading the keys per query made attention memory-bound (2.5x SDPA). A query's arithmetic is the
   // same in any tile, so a token's output doesn't depend on the rows beside it.
   constexpr int64_t ROW_TILE = 16;
-  const int64_t G = H / Hkv, row_tiles = (T + ROW_TILE - 1) / ROW_TILE;
+  struct Tile {
+    int64_t seq, r0, r1;
+  };
+  std::vector<Tile> tiles;  // each sequence's consecutive rows, by ROW_TILE
+  std::vector<int64_t> seq_tiles_end;  // where each sequence's run of tiles ends in `tiles`
+  for (int64_t r0 = 0; r0 < B * T;) {
+    const int64_t b = seq_at(r0);
+    int64_t end = r0 + 1;
+    while (end < B * T && seq_at(end) == b) ++end;
+    for (int64_t r = r0; r < end; r += ROW_TILE) tiles.push_back({b, r, std::min(end, r + ROW_TILE)});
+    seq_tiles_end.push_back(static_cast<int64_t>(tiles.size()));
+    r0 = end;
+  }
+  const int64_t G = H / Hkv, num_tiles = static_cast<int64_t>(tiles.size());
   // fewer heads a tile only where there would be fewer tiles than threads: a decode step's attention
   // is bound by reading the keys and values (at 1000 positions ~1.5 MB a layer), once per tile
   int64_t heads_per_tile = G;
   const int64_t threads = at::get_num_threads();
-  while (heads_per_tile % 2 == 0 && B * Hkv * row_tiles * (G / heads_per_tile) < threads) heads_per_tile /= 2;
-  if (B * Hkv * row_tiles * (G / heads_per_tile) < threads) heads_per_tile = 1;
-  const int64_t head_tiles = G / heads_per_tile, per_seq = Hkv * head_tiles * row_tiles, items = B * per_seq;
+  while (heads_per_tile % 2 == 0 && num_tiles * Hkv * (G / heads_per_tile) < threads) heads_per_tile /= 2;
+  if (num_tiles * Hkv * (G / heads_per_tile) < threads) heads_per_tile = 1;
+  const int64_t head_tiles = G / heads_per_tile;
+  // Work item: (tile, kv head, head tile). Causal rows: a late tile reads more keys; within each
+  // sequence late and early tiles alternate across the range, so the contiguous shares of the threads
+  // are even.
+  struct Item {
+    int64_t tile, g, ht;
+  };
+  std::vector<Item> work;
+  work.reserve(num_tiles * Hkv * head_tiles);
+  for (size_t s = 0, first_tile = 0; s < seq_tiles_end.size(); first_tile = seq_tiles_end[s++]) {
+    const int64_t row_tiles = seq_tiles_end[s] - first_tile, per_seq = Hkv * head_tiles * row_tiles;
+    for (int64_t rest = 0; rest < per_seq; ++rest) {
+      const int64_t t_idx = rest % 2 == 0 ? rest / 2 : per_seq - 1 - rest / 2;
+      work.push_back({static_cast<int64_t>(first_tile) + t_idx % row_tiles, t_idx / (row_tiles * head_tiles),
+                      (t_idx / row_tiles) % head_tiles});
+    }
+  }
+  const int64_t items = static_cast<int64_t>(work.size());
   int64_t longest = 0;
   for (int64_t i = 0; i < B * T; ++i) longest = std::max(longest, pos[i] + 1);
   // one thread where the whole step is smaller than a thread's start-up is worth
@@ -265,12 +311,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
     std::vector<float> q, scores;
     std::vector<const float*> keys, values;
     for (int64_t item = begin; item < end; ++item) {
-      // causal rows: a late tile reads more keys; alternate late and early tiles across the range so that
-      // the contiguous shares of the threads are even
-      const int64_t b = item / per_seq, rest = item % per_seq;
-      const int64_t t_idx = rest % 2 == 0 ? rest / 2 : per_seq - 1 - rest / 2;
-      const int64_t rt = t_idx % row_tiles, ht = (t_idx / row_tiles) % head_tiles, g = t_idx / (row_tiles * head_tiles);
-      const int64_t r0 = b * T + rt * ROW_TILE, r1 = std::min(b * T + T, r0 + ROW_TILE);
+      const Tile& tile = tiles[work[item].tile];
+      const int64_t b = tile.seq, r0 = tile.r0, r1 = tile.r1, g = work[item].g, ht = work[item].ht;
       const int64_t h0 = g * G + ht * heads_per_tile, nq = (r1 - r0) * heads_per_tile;
       int64_t first = INT64_MAX, last = 0;  // keys any query of the tile reads
       for (int64_t row = r0; row < r1; ++row) {
@@ -358,7 +400,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, lib) {
   lib.def("gated_act(Tensor gate_up, bool gelu) -> Tensor");
   lib.def("decode_attention(Tensor qkv, Tensor positions, Tensor tables, Tensor(a!) k_cache, Tensor(b!) v_cache, "
           "Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, float norm_offset, int num_heads, "
-          "float scale, int window) -> Tensor");
+          "float scale, int window, Tensor? row_seqs=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, lib) {

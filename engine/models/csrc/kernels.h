@@ -21,6 +21,7 @@ at::Tensor gated_act(const at::Tensor& gate_up, bool gelu);
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& tables,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
                             const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                            double eps, double norm_offset, int64_t num_heads, double scale, int64_t window);
+                            double eps, double norm_offset, int64_t num_heads, double scale, int64_t window,
+                            const c10::optional<at::Tensor>& row_seqs = c10::nullopt);
 
 }  // namespace tandem
