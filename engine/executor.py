@@ -84,6 +84,9 @@ class GroupRank:
     def ready(self) -> bool:
         return True
 
+    def ragged_rows(self) -> bool:
+        return self.worker.takes_ragged_rows
+
     def _workers(self) -> list[ModelWorker]:
         return [self.worker]
 
@@ -207,6 +210,9 @@ class Executor(Protocol):
 
     num_blocks: int  # KV cache blocks each model's cache holds
     overlaps_groups: bool  # whether the draft group's calls can run beside the target's (draft-ahead)
+    # whether the target's forward takes rows of any lengths unpadded (a prompt's rest as a row's
+    # pending tokens costs no padding of the other rows)
+    ragged_rows: bool
 
     def add_request(self, request_id: str, seed: int, draft: bool = True,
                     grammar: RequestGrammar | None = None) -> None: ...
@@ -247,6 +253,7 @@ class LocalExecutor:
                                       config.gpu_memory_utilization)
         for r in self._ranks():
             r.allocate(self.num_blocks)
+        self.ragged_rows = self.target.ragged_rows()
         self._ahead = None  # the last step's draft-ahead blocks (whole: the next verify reads them)
 
     def _ranks(self):
@@ -408,6 +415,7 @@ class RayExecutor:
             raise
         self.num_blocks = getattr(self, "num_blocks", blocks)
         self._get([r.allocate.remote(self.num_blocks) for r in devices])
+        self.ragged_rows = all(self._get([r.ragged_rows.remote() for r in self.target]))
         log.info("model groups placed (%s): %s", config.placement_strategy,
                  "; ".join(f"{role} ranks on {', '.join(ips)}" for role, ips in self.nodes().items()))
 

@@ -348,8 +348,8 @@ class Scheduler:
             else:
                 self._commit(seq)
         elapsed = time.perf_counter() - start
-        if chunks:  # a prefill's time in the target's forward: not what a round of these rows costs
-            return rows
+        if chunks or any(len(p) > 1 for p in verify.pending):
+            return rows  # a prefill's time in the target's forward: not what a round of these rows costs
         if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
             # a draft's time includes catching up on the tokens it missed (plain steps before a
             # probe): a real cost of drafting now and then, which keeps the policy from flapping
@@ -548,7 +548,8 @@ class Scheduler:
         When this step has a round of decoding rows (`rounds`), the target's chunks of sequences that
         are still prefilling after them are returned instead, to ride in the round's forward: a long
         prompt then costs the running streams no forward of their own per chunk. A prompt's last
-        chunk is prefilled before the round, which then decodes the sequence too."""
+        chunk joins the round as the sequence's pending tokens where the target takes ragged rows
+        (its first token comes from the same forward), else it is prefilled before the round."""
         batch: list[tuple[Sequence, Prefill | None, Prefill | None]] = []
         riding: list[tuple[Sequence, Prefill]] = []
         for seq in [s for s in self.running if s.prefilling]:
@@ -566,6 +567,10 @@ class Scheduler:
                 self._run_prefills([(seq, target, draft)], scored, failed)
             elif rounds and target is not None and t0 + n_target < seq.prefill_target:
                 riding.append((seq, target))
+                if draft is not None:
+                    batch.append((seq, None, draft))
+            elif rounds and target is not None and self.executor.ragged_rows and d0 + n_draft >= seq.prefill_draft:
+                seq.prefill_target = t0  # the rest of its prompt is its first round's pending tokens
                 if draft is not None:
                     batch.append((seq, None, draft))
             else:

@@ -33,7 +33,8 @@ class Verifier:
         feed = [batch.pending[b] + row_drafts[b] for b in range(B)]
         # row b's k_b + 1 verified positions, flat: vLLM's [num_draft_tokens + B, V]
         chunks = batch.prefill
-        if chunks and self.worker.takes_ragged_rows:  # the prompt chunks ride in this forward, unpadded
+        # prompt chunks, or a row whose pending tokens are a prompt's rest: rows unpadded where they can be
+        if (chunks or any(len(p) > 1 for p in batch.pending)) and self.worker.takes_ragged_rows:
             flat, firsts = self.worker.forward_ragged(
                 batch.tables + [c.table for c in chunks], batch.starts + [c.start for c in chunks],
                 feed + [c.tokens for c in chunks], [(len(p) - 1, k + 1) for p, k in zip(batch.pending, counts)])

@@ -144,8 +144,9 @@ def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(mode
 @pytest.mark.skipif(not int8_kernel_available(), reason="no AVX-512 VNNI or no compiler on this machine")
 def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits():
     """While a stream decodes, a long prompt's chunks are written by the decode step's own forward
-    (ragged rows, no prefill forward of their own) except its last; its keys and values are those
-    of a prefill alone, bit for bit, and the stream's greedy tokens are those it gets alone."""
+    (ragged rows, no prefill forward of their own), its last as its row's pending tokens (its first
+    token from that forward); its keys and values are those of a prefill alone, bit for bit, and
+    both requests' greedy tokens are those they get alone."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     alone = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
     prompt = prompt_of(alone, 300)["prompt_token_ids"]
@@ -153,6 +154,8 @@ def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits():
     seq = alone.scheduler.add("long", None, prompt, params)
     alone.scheduler.step()  # admitted and prefilled in one step
     want_kv = _prompt_kv(alone, seq, len(prompt))
+    while not seq.finished:
+        alone.scheduler.step()
 
     llm = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=64, enable_prefix_caching=False)
     worker = llm.executor.target.worker
@@ -168,12 +171,13 @@ def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits():
     while long.prefilling or not long.started:
         llm.scheduler.step()
         steps += 1
-    assert steps == -(-299 // 63) and prefill_calls == [1, 1]  # only the last chunk had a forward of its own
+    assert steps == -(-299 // 63) and prefill_calls == [1]  # no chunk had a forward of its own
+    assert len(long.output_ids) == 1  # from the step of its last chunk
     for got, want in zip(_prompt_kv(llm, long, len(prompt)), want_kv):
         assert torch.equal(got, want)
-    while not stream.finished:
+    while not (stream.finished and long.finished):
         llm.scheduler.step()
-    assert stream.output_ids == want_stream
+    assert stream.output_ids == want_stream and long.output_ids == seq.output_ids
 
 
 def test_a_chunk_that_raises_in_a_decode_steps_forward_fails_its_request_alone(reference, caplog):
