@@ -545,13 +545,14 @@ class Scheduler:
         forward or a few for all of them); a chunk writes the same keys and values wherever it ends.
         A chunk whose prompt logprobs are wanted runs alone (its logits span the vocabulary).
 
-        When this step has a round of decoding rows (`rounds`), the target's chunks of sequences that
-        are still prefilling after them are returned instead, to ride in the round's forward: a long
-        prompt then costs the running streams no forward of their own per chunk. A prompt's last
-        chunk joins the round as the sequence's pending tokens where the target takes ragged rows
-        (its first token comes from the same forward), else it is prefilled before the round."""
+        Where the target takes ragged rows, a prompt's last chunk is no prefill: the sequence joins
+        this step's round with the rest of its prompt as its pending tokens, and its first token
+        comes from that forward. When the step has a round (decoding rows, or such a sequence:
+        `rounds`), the target's other chunks are returned instead of prefilled, to ride in the
+        round's forward: a long prompt then costs the running streams no forward of their own per
+        chunk. The draft's chunks are prefilled here, before the round."""
         batch: list[tuple[Sequence, Prefill | None, Prefill | None]] = []
-        riding: list[tuple[Sequence, Prefill]] = []
+        riding: list[tuple[Sequence, Prefill, Prefill | None]] = []
         for seq in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
@@ -565,19 +566,22 @@ class Scheduler:
             if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) and target:
                 scored = (tokens[t0 + n_target], seq.params.prompt_logprobs)  # the token after the chunk
                 self._run_prefills([(seq, target, draft)], scored, failed)
-            elif rounds and target is not None and t0 + n_target < seq.prefill_target:
-                riding.append((seq, target))
-                if draft is not None:
-                    batch.append((seq, None, draft))
-            elif rounds and target is not None and self.executor.ragged_rows and d0 + n_draft >= seq.prefill_draft:
-                seq.prefill_target = t0  # the rest of its prompt is its first round's pending tokens
+            elif target is not None and t0 + n_target < seq.prefill_target:
+                riding.append((seq, target, draft))
+            elif target is not None and self.executor.ragged_rows and d0 + n_draft >= seq.prefill_draft:
+                seq.prefill_target = t0  # the rest of its prompt: its first round's pending tokens
+                rounds = True
                 if draft is not None:
                     batch.append((seq, None, draft))
             else:
                 batch.append((seq, target, draft))
+        if not rounds:  # no forward to ride in
+            batch += riding
+            riding = []
+        batch += [(seq, None, draft) for seq, _, draft in riding if draft is not None]
         if batch:
             self._run_prefills(batch, None, failed)
-        return [(seq, chunk) for seq, chunk in riding if seq in self.running]
+        return [(seq, chunk) for seq, chunk, _ in riding if seq in self.running]
 
     def _run_prefills(self, batch: list[tuple[Sequence, Prefill | None, Prefill | None]],
                       scored: tuple[int, int] | None, failed: list[Sequence]) -> None:

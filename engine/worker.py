@@ -147,15 +147,21 @@ class ModelWorker:
             ids = ids.to(dev)
         # padding continues the row's positions; its table is padded with the null block to cover them
         positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(T)[None, :]
-        width = -(-(max(starts) + T) // self.block_size)
-        table = torch.zeros(B, width, dtype=torch.long)
-        for b, row in enumerate(tables):
-            row = row[:width]
-            table[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        table = self._table_tensor(tables, max(starts) + T)
         logit_index = torch.tensor([[n - 1] for n in lengths]).to(dev) if last_only else None
         if not logits:
             logit_index = torch.zeros(B, 0, dtype=torch.long, device=dev)
         return self.model(ids, positions.to(dev), self.cache, table.to(dev), logit_index)
+
+    def _table_tensor(self, tables: list[list[int]], end: int) -> Tensor:
+        """Block tables as [rows, blocks covering positions < end]: each cut there, or padded with the
+        null block (padding positions write there)."""
+        width = -(-end // self.block_size)
+        table = torch.zeros(len(tables), width, dtype=torch.long)
+        for b, row in enumerate(tables):
+            row = row[:width]
+            table[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return table
 
     @property
     def takes_ragged_rows(self) -> bool:
@@ -175,11 +181,7 @@ class ModelWorker:
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long)[None]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])[None]
         row_seqs = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(lengths))
-        width = -(-max(s + n for s, n in zip(starts, lengths)) // self.block_size)
-        table = torch.zeros(len(tables), width, dtype=torch.long)
-        for b, row in enumerate(tables):
-            row = row[:width]
-            table[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        table = self._table_tensor(tables, max(s + n for s, n in zip(starts, lengths)))
         offsets, firsts, index = 0, [], []
         for b, n in enumerate(lengths):
             if b < len(scored):
