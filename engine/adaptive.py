@@ -65,6 +65,20 @@ class CostModel:
             return 0.0
         return median(self.overhead_s) / median(self.verify_s[0])
 
+    def saving_per_token(self, alpha: float) -> float | None:
+        """Seconds a decoded token saves, at acceptance alpha and the best K, against plain decoding
+        (0 where drafting loses); None until measured."""
+        ratios = self.ratios()
+        if ratios is None:
+            return None
+        c, v = ratios
+        base, overhead = median(self.verify_s[0]), self.step_overhead()
+        k = choose_k(alpha, c, v, self.k_max, overhead, self.parallel)
+        if k == 0:
+            return 0.0
+        drafting = c if self.parallel else k * c
+        return max(0.0, base * ((1.0 + overhead) - (drafting + v[k] + overhead) / expected_tokens(alpha, k)))
+
     def ratios(self) -> tuple[float, list[float]] | None:
         """(c, [v(0)..v(k_max)]) once a plain step and a draft step have been measured."""
         if not self.verify_s[0] or not self.draft_s:
@@ -117,6 +131,32 @@ class BatchCosts:
         every draft to measure this size."""
         bucket = self.bucket(rows)
         return all(drafting_can_pay(m, self.k_max) for b, m in self.by_bucket.items() if b <= bucket)
+
+
+class PrefillCost:
+    """Seconds per token of the draft's prompt prefill, from its recent prefill calls (the call's
+    wall time: a chunk pays its call's overhead too)."""
+
+    def __init__(self, window: int = 16):
+        self.calls: deque = deque(maxlen=window)  # (seconds, tokens)
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            self.calls.append((seconds, tokens))
+
+    def per_token(self) -> float | None:
+        tokens = sum(n for _, n in self.calls)
+        return sum(s for s, _ in self.calls) / tokens if tokens else None
+
+
+def prefill_pays(max_tokens: int | None, prompt_tokens: int, saving_per_token: float | None,
+                 prefill_per_token: float | None) -> bool:
+    """Whether prefilling the draft on a prompt can pay for itself: the most the request's output can
+    save (max_tokens at the measured saving per token) against the prefill's cost. Unknown costs or
+    no output bound: it may."""
+    if max_tokens is None or saving_per_token is None or prefill_per_token is None:
+        return True
+    return max_tokens * saving_per_token >= prompt_tokens * prefill_per_token
 
 
 # After this many plain steps a request drafts one token again, so a wrong estimate can recover;

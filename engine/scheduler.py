@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from engine.adaptive import AcceptanceEstimate, BatchCosts, SpeculationGate, adaptive_k
+from engine.adaptive import AcceptanceEstimate, BatchCosts, PrefillCost, SpeculationGate, adaptive_k, prefill_pays
 from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
@@ -125,6 +125,7 @@ class Scheduler:
         self.costs = BatchCosts(self.spec.num_speculative_tokens, parallel=self.spec.parallel_drafting) \
             if self.spec else None
         self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
+        self.draft_prefill = PrefillCost()  # what the draft's prompt tokens cost (adaptive: worth it?)
         self.gate = SpeculationGate(self.spec.num_speculative_tokens) if self.spec and self.spec.adaptive else None
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
@@ -588,6 +589,7 @@ class Scheduler:
         """One prefill call for these chunks; if it raises, each sequence alone, so that only the
         one whose chunk raises fails (the others' caches are rewritten at the same positions)."""
         targets, drafts = [t for _, t, _ in batch if t], [d for _, _, d in batch if d]
+        start = time.perf_counter()
         try:
             got = self.executor.prefill(targets, drafts, scored) if targets or drafts else None
         except (StepError, ValueError) as e:
@@ -601,6 +603,8 @@ class Scheduler:
             self._fail(seq, INTERNAL_ERROR)
             failed.append(seq)
             return
+        if drafts and not targets:  # the draft's alone: its cost per prompt token
+            self.draft_prefill.observe(time.perf_counter() - start, sum(len(d.tokens) for d in drafts))
         for seq, target, draft in batch:
             if scored is not None:
                 seq.prompt_logprobs.extend(got or [])
@@ -632,7 +636,8 @@ class Scheduler:
         """The draft's blocks (its own prefix-cache hit included) and the position its prefill must
         reach: where it is already when it prefills nothing (it doesn't draft, or drafting doesn't
         pay at the batch size it will join, the waiting requests counted: it catches up if it
-        ever does)."""
+        ever does). With adaptive K, a request whose output can't repay the draft's prefill at the
+        measured costs (a long prompt, a short answer) never drafts."""
         if not seq.drafts or self.draft_kv is None:
             return 0
         ids = seq.draft_ids  # a preempted request's covers the output it had
@@ -641,6 +646,12 @@ class Scheduler:
             return 0
         # the batch this request will decode in: the running ones and those waiting behind it
         batch = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        if self.spec.adaptive and not prefill_pays(
+                self._budget(seq), len(ids) - 1 - seq.draft.computed,
+                self.costs.for_batch(batch).saving_per_token(self.acceptance.alpha), self.draft_prefill.per_token()):
+            self.draft_kv.free(seq.draft)
+            seq.drafts = False
+            return 0
         if self.spec.adaptive and not self.costs.can_pay(batch):
             return seq.draft.computed
         return len(ids) - 1

@@ -1,7 +1,7 @@
 """Adaptive speculation: K per request per step, within num_speculative_tokens, 0 when drafts fail."""
 from engine import LLM, SamplingParams
-from engine.adaptive import AcceptanceEstimate, BatchCosts, CostModel, SpeculationGate, adaptive_k, choose_k, \
-    expected_tokens
+from engine.adaptive import AcceptanceEstimate, BatchCosts, CostModel, PrefillCost, SpeculationGate, adaptive_k, \
+    choose_k, expected_tokens, prefill_pays
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 
@@ -184,3 +184,57 @@ def test_requests_after_a_losing_draft_run_as_plain_decoding():
     drafted = [llm.generate("The history of", params)[0].spec_decode_stats.num_drafts > 0 for _ in range(10)]
     assert drafted[0]  # the first request measures
     assert sum(drafted[1:]) <= 2, drafted
+
+
+def measured_costs(model: CostModel) -> None:
+    """A plain step 10 ms (+1 ms around it), a draft forward 1 ms, verifying 3 drafts 11 ms."""
+    for _ in range(8):
+        model.observe(0, 0.0, 0.010, 0.011)
+        model.observe(3, 0.003, 0.011, 0.015)
+
+
+def test_saving_per_token_is_plain_time_less_the_best_ks_time_per_token():
+    model = CostModel(3)
+    assert model.saving_per_token(0.9) is None  # nothing measured
+    measured_costs(model)
+    # plain: 11 ms a token; K=3 at alpha 1: (3 + 11 + 1) ms for 4 tokens
+    assert abs(model.saving_per_token(1.0) - (0.011 - 0.015 / 4)) < 1e-9
+    assert model.saving_per_token(0.0) == 0.0  # drafting loses: K = 0
+
+
+def test_the_drafts_prefill_must_be_repaid_by_the_output():
+    cost = PrefillCost()
+    assert cost.per_token() is None
+    cost.observe(0.1, 200)
+    cost.observe(0.02, 0)  # a call that prefilled nothing doesn't count
+    cost.observe(0.3, 400)
+    assert abs(cost.per_token() - 0.4 / 600) < 1e-12  # long chunks weigh more than short ones
+    assert prefill_pays(100, 300, 0.005, 0.001)  # saves up to 0.5 s, costs 0.3 s
+    assert not prefill_pays(8, 300, 0.005, 0.001)  # a short answer to a long prompt: 0.04 s against 0.3
+    assert not prefill_pays(10**6, 10, 0.0, 0.001)  # drafting doesn't save anything here
+    assert prefill_pays(8, 300, None, 0.001) and prefill_pays(8, 300, 0.005, None) and prefill_pays(None, 300, 0.005, 0.001)
+
+
+def test_a_request_whose_output_cant_repay_the_drafts_prefill_never_drafts():
+    """At measured costs (above; the draft's prompt tokens 0.5 ms each) and high acceptance, a
+    300-token prompt with max_tokens 8 (saves < 60 ms, its draft prefill costs 150 ms) decodes
+    plainly with no draft blocks; with max_tokens 100 it prefills the draft and drafts."""
+    llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
+              max_model_len=1024, max_num_batched_tokens=1024)
+    sched = llm.scheduler
+    measured_costs(sched.costs.for_batch(1))
+    for _ in range(20):
+        sched.acceptance.observe(3, 3)
+    sched.draft_prefill.observe(0.1, 200)
+    prompt = llm.get_tokenizer().encode("one two three four five six seven eight nine ten " * 40)[:300]
+    assert len(prompt) == 300
+    few = sched.add("few", None, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    sched.step()
+    assert not few.drafts and not few.draft.blocks and few.draft.computed == 0
+    while not few.finished:
+        sched.step()
+    assert few.stats.num_drafts == 0 and len(few.output_ids) == 8
+    measured_costs(sched.costs.for_batch(1))  # again: few's plain steps measured this machine's
+    many = sched.add("many", None, prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    sched.step()
+    assert many.drafts and many.draft.computed >= len(prompt) - 1
