@@ -572,6 +572,8 @@ class Scheduler:
             elif target is not None and self.executor.ragged_rows and d0 + n_draft >= seq.prefill_draft:
                 seq.prefill_target = t0  # the rest of its prompt: its first round's pending tokens
                 rounds = True
+                # ... and its last prompt token and first drafts: a decoding row's tokens
+                budget -= 1 + (self.spec.num_speculative_tokens if seq.drafts and self.spec else 0)
                 if draft is not None:
                     batch.append((seq, None, draft))
             else:

@@ -207,3 +207,36 @@ def test_padded_groups_bound_the_padding_and_keep_every_chunk_once():
             assert len(g) == 1 or (padded <= 512 and (padded <= SMALL_ROWS or padded <= 1.25 * held))
     assert padded_groups([256, 7, 7, 7], 512) == [[0], [1, 2, 3]]  # the short ones aren't padded to 256
     assert len(padded_groups([7, 6, 8, 5, 7, 9, 6], 512)) <= 2
+
+
+def test_on_int8_a_step_computes_at_most_the_budget_in_the_target():
+    """With drafts: a prompt whose last chunk becomes its row's pending tokens verifies its first
+    drafts in the same forward; those count against the step's budget like a running row's, so
+    the next prompt's chunk gets what is left and no forward exceeds max_num_batched_tokens."""
+    budget = 64
+    llm = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=budget, enable_prefix_caching=False,
+              speculative_config={"model": SMOLLM2, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True})
+    worker = llm.executor.target.worker
+    assert worker.takes_ragged_rows
+    computed = []
+    for name in ("forward_ragged", "prefill"):
+        real = getattr(worker, name)
+
+        def counted(tables, *args, real=real, name=name, **kwargs):
+            chunks = tables if name == "prefill" else args[1]
+            computed[-1] += sum(len(c.tokens) for c in chunks) if name == "prefill" else sum(len(t) for t in chunks)
+            return real(tables, *args, **kwargs)
+        setattr(worker, name, counted)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    sched = llm.scheduler
+    stream = sched.add("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
+    computed.append(0)
+    sched.step()
+    # two prompts at once: the first's last chunk (100 - 60 = 40 tokens) and its drafts share a step
+    # with the second's first chunk
+    firsts = [sched.add(f"long{i}", None, prompt_of(llm, 100)["prompt_token_ids"], params) for i in range(2)]
+    while not all(s.finished for s in [stream, *firsts]):
+        computed.append(0)
+        sched.step()
+    assert max(computed) <= budget, computed
+    assert all(s.finish_reason == "length" for s in [stream, *firsts])
