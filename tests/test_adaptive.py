@@ -1,7 +1,7 @@
 """Adaptive speculation: K per request per step, within num_speculative_tokens, 0 when drafts fail."""
 from engine import LLM, SamplingParams
 from engine.adaptive import AcceptanceEstimate, BatchCosts, CostModel, PrefillCost, SpeculationGate, adaptive_k, \
-    choose_k, expected_tokens, prefill_pays
+    PROBE_EVERY, choose_k, expected_tokens, prefill_pays
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
 
@@ -238,3 +238,30 @@ def test_a_request_whose_output_cant_repay_the_drafts_prefill_never_drafts():
     many = sched.add("many", None, prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     sched.step()
     assert many.drafts and many.draft.computed >= len(prompt) - 1
+
+
+def test_a_probes_catch_up_is_not_measured_as_the_cost_of_a_draft_step():
+    """A probe after plain steps first feeds the draft the tokens it missed: that call's time is a
+    prefill of them, not what a draft step costs. Counted as one (as it once was), eight probes filled
+    the window with catch-up times (44.6 ms against 4-5 ms per draft step on the default app) and the
+    engine stopped drafting for good, though its drafts were accepted 99.7% of the time."""
+    llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
+              max_model_len=1024)
+    sched = llm.scheduler
+    costs = sched.costs.for_batch(1)
+    measured_costs(costs)
+    for _ in range(20):
+        sched.acceptance.observe(3, 3)  # the gate lets the request draft
+    seq = sched.add("r", None, [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    sched.step()
+    assert seq.drafts
+    seq.acceptance = AcceptanceEstimate(accepted=0.01, trials=10.0)  # drafts stop paying: plain steps
+    drafted = seq.stats.num_drafts
+    while seq.stats.num_drafts == drafted:  # plain steps, then a probe of one draft
+        measured_costs(costs)  # this machine's plain steps keep the costs where drafting may pay
+        window = list(costs.draft_s)
+        sched.step()
+        assert len(seq.output_ids) < 100, "no probe came"
+    assert seq.acceptance.probe_every > PROBE_EVERY  # that was the probe, after PROBE_EVERY plain steps
+    assert list(costs.draft_s) == window  # its catch-up call is not a draft step's cost
+    assert costs.verify_s[1]  # its verify is measured as usual
