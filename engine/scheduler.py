@@ -298,6 +298,11 @@ class Scheduler:
                 sampling=[draft_sampling[b] for b in drafting],
                 tables=[rows[b].draft.blocks for b in drafting],
             )
+        # a row drafting after plain steps first feeds the draft the tokens it missed: that call is a
+        # prefill of them besides the drafts. Counted as a draft step's cost, eight probes filled the
+        # window with catch-ups (44.6 ms after 84 plain steps against 4-5 ms a draft step) and held the
+        # default app at K = 0 for good on a text whose drafts it accepted 99.7% of
+        catches_up = any(rows[b].acceptance.steps_without_drafts > 0 for b in drafting)
         ahead = self._ahead_batch(rows, ks, blocks, draft_sampling) if ahead_on else None
         ahead_rows = set(ahead.draft.seq_ids) if ahead is not None else set()
         self.ahead_drafted += len(ahead_rows)
@@ -352,7 +357,7 @@ class Scheduler:
         if chunks or any(len(p) > 1 for p in verify.pending):
             return rows  # a prefill's time in the target's forward: not what a round of these rows costs
         if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
-            if self._catches_up(draft):  # the draft's call was mostly a prefill: only the verify counts
+            if catches_up:  # the draft's call was mostly a prefill: only the verify counts
                 self.costs.for_batch(len(ks)).observe(max(ks), 0.0, result.elapsed_s)
             else:
                 self.costs.for_batch(len(ks)).observe(max(ks), result.draft_elapsed_s, result.elapsed_s, elapsed)
@@ -540,17 +545,6 @@ class Scheduler:
                 seq.prompt_logprobs = [None]  # the first token has none
             seq.prefill_target = len(tokens) - 1  # the last token is fed by the first step
         return failed
-
-    def _catches_up(self, draft: DraftBatch | None) -> bool:
-        """Whether a row of this round's draft call first feeds the draft the tokens of plain steps it
-        missed (a probe after K = 0, or a request's first drafts after a plain start): such a call is a
-        prefill of those tokens besides its drafts. Fed to the cost of a draft step, a probe after 84
-        plain steps measured 44.6 ms against 4-5 ms per draft step; eight such probes filled the window
-        and held the default app at K = 0 for good (not even drafts that are always accepted could pay
-        at that cost, so it stopped probing) on a text whose drafts it accepted 99.7% of."""
-        # a drafting step leaves at most its k + 1 new target tokens, in the draft's tokens (TLI) a
-        # few more
-        return draft is not None and any(len(p) > 2 * (self.spec.num_speculative_tokens + 1) for p in draft.pending)
 
     def _prefill_chunks(self, budget: int, rounds: bool, failed: list[Sequence]) -> list[tuple[Sequence, Prefill]]:
         """Prefill admitted sequences, oldest first, up to `budget` tokens in each model this step;
