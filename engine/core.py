@@ -56,10 +56,7 @@ class EngineCore:
         if max_len > limit:
             raise ValueError(f"max_model_len ({max_len}) is above the target model's limit ({limit})")
         k = spec.num_speculative_tokens if spec else 0
-        if use_ray is None:
-            use_ray = (config.distributed_executor_backend == "ray" or config.tensor_parallel_size > 1
-                       or config.draft_tensor_parallel_size > 1)
-        executor_cls = RayExecutor if use_ray else LocalExecutor
+        executor_cls = RayExecutor if uses_ray(config, use_ray) else LocalExecutor
         self.executor = executor_cls(config, max_len + k + 1, target_vocab=self.vocab_size,
                                      vocab_mapping=vocab_mapping)
         max_len = self._fit_cache(max_len, k, explicit=config.max_model_len is not None or
@@ -104,3 +101,11 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def uses_ray(config: EngineConfig, use_ray: bool | None = None) -> bool:
+    """Whether an engine built with `use_ray` (None: as the config says) runs its groups as Ray actors."""
+    if use_ray is not None:
+        return use_ray
+    return config.distributed_executor_backend == "ray" or config.tensor_parallel_size > 1 \
+        or config.draft_tensor_parallel_size > 1

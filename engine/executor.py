@@ -342,6 +342,14 @@ def init_ray(config: EngineConfig, **kwargs) -> None:
         ray.init(ignore_reinit_error=True, **kwargs)
 
 
+def ensure_ray(config: EngineConfig) -> None:
+    """Join the Ray this process is in, or start one that fits this engine (init_ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        init_ray(config, log_to_driver=False)
+
+
 def _started_here() -> bool:
     """Whether this process started its Ray cluster (a local one, fixed in size), not joined one."""
     import ray
@@ -356,10 +364,7 @@ class RayExecutor:
 
     def __init__(self, config: EngineConfig, max_model_len: int, target_vocab: int,
                  vocab_mapping: VocabMapping | None = None, timeout_s: float = 600.0):
-        import ray
-
-        if not ray.is_initialized():
-            init_ray(config, log_to_driver=False)
+        ensure_ray(config)
         self.config, self.max_model_len, self.target_vocab = config, max_model_len, target_vocab
         self.vocab_mapping, self.timeout_s = vocab_mapping, timeout_s
         self._ahead = None  # ObjectRef: the last step's draft-ahead blocks, whole, for the next verify
