@@ -211,34 +211,47 @@ class SpeculationGate:
     recent requests, plus MARGIN for a request unlike them, would make no K pay at the costs measured
     at batch 1 (the batch where drafting pays most on a CPU), a request runs as in plain decoding: no
     draft prefill, no drafts, no probes. Per-request probing alone cost 3-6% of plain throughput with
-    a draft that never pays (the default app on a CPU). One request in `every` still drafts (adaptively)
-    so that the verdict can change, if it runs alone (a probe in a larger batch costs the whole batch
-    a step; acceptance is the same at any batch size); `every` doubles while the verdict holds,
-    MIN_EVERY ... MAX_EVERY, and a verdict that drafting may pay lets every request draft again."""
+    a draft that never pays (the default app on a CPU). Some requests still draft (adaptively) so that
+    the verdict can change, if they run alone (a probe in a larger batch costs the whole batch a
+    step): one in `every` (`every` doubles while the verdict holds, MIN_EVERY ... MAX_EVERY), and every
+    request that asks for EXPLORE_TOKENS or more with a prompt of at most a quarter of that: its speed
+    rests on its own text's acceptance (a story the draft knows: 0.99 where the requests before had
+    little), and its few probes and the draft's prefill of its prompt (a token of it ~1/20 of a
+    decode step on a CPU) cost ~1% of its output's time. Explorers start from an optimistic estimate,
+    so that their own first drafts, not other requests' acceptance, decide. A verdict that drafting
+    may pay lets every request draft again."""
 
     MARGIN = 0.1
     MIN_EVERY, MAX_EVERY = 4, 64
+    EXPLORE_TOKENS = 256
 
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.every, self.skipped = self.MIN_EVERY, 0
 
-    def admit(self, acceptance: AcceptanceEstimate, costs: BatchCosts, batch: int) -> bool:
-        """Whether the request admitted now, joining a batch of `batch` rows, may draft."""
+    def admit(self, acceptance: AcceptanceEstimate, costs: BatchCosts, batch: int,
+              max_tokens: int = 0, prompt_tokens: int = 0) -> AcceptanceEstimate | None:
+        """The acceptance estimate a request admitted now (joining a batch of `batch` rows; asking for
+        `max_tokens`, 0 if it didn't say) starts drafting from; None: it decodes plainly."""
         measured = costs.by_bucket.get(1)
         model = measured if measured is not None and measured.ratios() is not None else costs.for_batch(batch)
         ratios = model.ratios()
         if ratios is None:  # not measured yet: draft, and measure
-            return True
+            return acceptance.prior()
+        overhead = model.step_overhead()
         alpha = min(1.0, acceptance.alpha + self.MARGIN)
-        if choose_k(alpha, *ratios, self.k_max, model.step_overhead(), model.parallel) > 0:
+        if choose_k(alpha, *ratios, self.k_max, overhead, model.parallel) > 0:
             self.every, self.skipped = self.MIN_EVERY, 0
-            return True
+            return acceptance.prior()
+        explorer = AcceptanceEstimate(accepted=1.0, trials=1.0)  # one draft, accepted
+        if batch <= 1 and max_tokens >= max(self.EXPLORE_TOKENS, 4 * prompt_tokens) and \
+                choose_k(1.0, *ratios, self.k_max, overhead, model.parallel) > 0:
+            return explorer
         self.skipped += 1
         if self.skipped < self.every or batch > 1:
-            return False
+            return None
         self.every, self.skipped = min(self.MAX_EVERY, 2 * self.every), 0
-        return True
+        return explorer
 
 
 def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> int:

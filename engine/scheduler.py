@@ -625,9 +625,13 @@ class Scheduler:
         preempted request keeps both)."""
         if resumed:
             return
-        gated = self.gate is not None and not self.gate.admit(self.acceptance, self.costs, len(self.running))
-        if self.spec is None or gated:  # gated: drafting can't pay at the acceptance measured
+        start = seq.acceptance if self.gate is None else \
+            self.gate.admit(self.acceptance, self.costs, len(self.running),
+                            min(seq.params.max_tokens or 0, self._budget(seq)), len(seq.prompt_ids))
+        if self.spec is None or start is None:  # gated: drafting can't pay at the acceptance measured
             seq.drafts = False  # never drafts: no draft state, prefill or probes
+        else:
+            seq.acceptance = start  # an explorer's own, optimistic: its first drafts decide
         grammar = None if seq.grammar is None else \
             RequestGrammar(seq.grammar, tuple(seq.output_ids), tuple(seq.params.stop_token_ids))
         self.executor.add_request(seq.request_id, seq.seed, draft=seq.drafts, grammar=grammar)
@@ -656,7 +660,7 @@ class Scheduler:
         batch = min(self.max_num_seqs, len(self.running) + len(self.waiting))
         if self.spec.adaptive and not prefill_pays(
                 self._budget(seq), len(ids) - 1 - seq.draft.computed,
-                self.costs.for_batch(batch).saving_per_token(self.acceptance.alpha), self.draft_prefill.per_token()):
+                self.costs.for_batch(batch).saving_per_token(seq.acceptance.alpha), self.draft_prefill.per_token()):
             self.draft_kv.free(seq.draft)
             seq.drafts = False
             return 0

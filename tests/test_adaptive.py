@@ -161,6 +161,28 @@ def test_gate_turns_drafting_off_for_new_requests_where_it_cannot_pay_and_keeps_
     assert all(gate.admit(high, costs, 1) for _ in range(10))
 
 
+def test_gate_lets_a_long_request_with_a_short_prompt_explore_from_its_own_drafts():
+    """Acceptance is the text's: where earlier requests' drafts failed, a request asking for many
+    tokens still drafts (its probes and the draft's prefill of a short prompt cost ~1% of its output's
+    time), starting from an optimistic estimate so that its own first drafts decide."""
+    costs, gate = BatchCosts(3), SpeculationGate(3)
+    costs.for_batch(1).observe(0, 0.0, 0.100)
+    costs.for_batch(1).observe(3, 0.150, 0.110)  # a draft step costs half a target step
+    low = AcceptanceEstimate(accepted=0.2, trials=2.0)  # a = 0.1: no K pays
+    assert gate.admit(low, costs, 1, max_tokens=40, prompt_tokens=10) is None
+    explorer = gate.admit(low, costs, 1, max_tokens=1000, prompt_tokens=11)
+    assert explorer is not None and explorer.alpha == 1.0
+    assert adaptive_k(explorer, costs.for_batch(1), 3) == 3  # its first step drafts K_max
+    assert gate.admit(low, costs, 1, max_tokens=1000, prompt_tokens=300) is None  # the draft's prefill would cost too much
+    assert gate.admit(low, costs, 1, max_tokens=0, prompt_tokens=11) is None  # no max_tokens: unknown length
+    assert gate.admit(low, costs, 2, max_tokens=1000, prompt_tokens=11) is None  # a probe would cost the batch
+    assert gate.admit(low, costs, 1, max_tokens=40, prompt_tokens=10).alpha == 1.0  # one in 4 skipped: the usual explorer
+    hopeless = BatchCosts(3)
+    hopeless.for_batch(1).observe(0, 0.0, 0.100)
+    hopeless.for_batch(1).observe(3, 0.600, 0.200)  # not even accepted drafts pay
+    assert gate.admit(low, hopeless, 1, max_tokens=1000, prompt_tokens=11) is None
+
+
 def test_gate_judges_by_batch_one_costs_when_measured():
     costs, gate = BatchCosts(3), SpeculationGate(3)
     costs.for_batch(1).observe(0, 0.0, 0.100)
@@ -238,6 +260,31 @@ def test_a_request_whose_output_cant_repay_the_drafts_prefill_never_drafts():
     many = sched.add("many", None, prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     sched.step()
     assert many.drafts and many.draft.computed >= len(prompt) - 1
+
+
+def test_a_long_request_drafts_where_the_requests_before_it_did_not_pay():
+    """Behind the gate (its engine-wide acceptance low: no K pays at the measured costs), a request for
+    40 tokens decodes plainly with no draft state, while one for 300 tokens with a short prompt
+    prefills the draft and drafts K_max in its first decode step."""
+    llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
+              max_model_len=1024)
+    sched = llm.scheduler
+    measured_costs(sched.costs.for_batch(1))
+    for _ in range(40):
+        sched.acceptance.observe(3, 0)  # every draft of the requests before was rejected
+    prompt = llm.get_tokenizer().encode("Write a very long story about a lighthouse keeper.")
+    short = sched.add("short", None, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    sched.step()
+    assert not short.drafts and not short.draft.blocks
+    while not short.finished:
+        sched.step()
+    measured_costs(sched.costs.for_batch(1))  # again: short's plain steps measured this machine's
+    long = sched.add("long", None, prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
+    sched.step()
+    assert long.drafts and long.draft.computed >= len(prompt) - 1
+    while len(long.output_ids) < 2:
+        sched.step()
+    assert long.stats.num_draft_tokens >= 3
 
 
 def test_a_probes_catch_up_is_not_measured_as_the_cost_of_a_draft_step():
