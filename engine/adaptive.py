@@ -124,6 +124,14 @@ class BatchCosts:
             self.by_bucket[bucket] = CostModel(self.k_max, parallel=self.parallel)
         return self.by_bucket[bucket]
 
+    def saving_per_token(self, rows: int, alpha: float) -> float | None:
+        """CostModel.saving_per_token at this batch size; where it isn't measured yet, at the largest
+        smaller one that is (at most what this size saves: a larger batch only makes verifying
+        dearer); None where none is."""
+        bucket = self.bucket(rows)
+        measured = [b for b, m in self.by_bucket.items() if b <= bucket and m.ratios() is not None]
+        return self.by_bucket[max(measured)].saving_per_token(alpha) if measured else None
+
     def can_pay(self, rows: int) -> bool:
         """False when drafting can't pay at this batch size even if every draft were accepted, as
         measured here or at a smaller batch (a larger one only makes verifying dearer against a

@@ -660,7 +660,7 @@ class Scheduler:
         batch = min(self.max_num_seqs, len(self.running) + len(self.waiting))
         if self.spec.adaptive and not prefill_pays(
                 self._budget(seq), len(ids) - 1 - seq.draft.computed,
-                self.costs.for_batch(batch).saving_per_token(seq.acceptance.alpha), self.draft_prefill.per_token()):
+                self.costs.saving_per_token(batch, seq.acceptance.alpha), self.draft_prefill.per_token()):
             self.draft_kv.free(seq.draft)
             seq.drafts = False
             return 0

@@ -224,6 +224,18 @@ def test_saving_per_token_is_plain_time_less_the_best_ks_time_per_token():
     assert model.saving_per_token(0.0) == 0.0  # drafting loses: K = 0
 
 
+def test_an_unmeasured_batch_size_is_credited_with_a_smaller_ones_saving_at_most():
+    """A long prompt arriving beside three streams joins a batch of 4 that nothing has measured yet;
+    'unknown, so it may pay' let its draft prefill ~1900 tokens for an 8-token answer (TTFT 3.9 s
+    against 1.6 s). A larger batch only saves less per token, so the smaller size's saving bounds it."""
+    costs = BatchCosts(3)
+    assert costs.saving_per_token(4, 0.9) is None  # nothing measured: it may pay (and gets measured)
+    measured_costs(costs.for_batch(2))
+    assert costs.saving_per_token(4, 0.9) == costs.for_batch(2).saving_per_token(0.9) > 0
+    assert costs.saving_per_token(1, 0.9) is None  # a smaller batch saves more: no bound from batch 2
+    assert not prefill_pays(8, 1900, costs.saving_per_token(4, 1.0), 0.0007)
+
+
 def test_the_drafts_prefill_must_be_repaid_by_the_output():
     cost = PrefillCost()
     assert cost.per_token() is None
