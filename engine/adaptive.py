@@ -225,8 +225,10 @@ class SpeculationGate:
     request that asks for EXPLORE_TOKENS or more with a prompt of at most a quarter of that: its speed
     rests on its own text's acceptance (a story the draft knows: 0.99 where the requests before had
     little), and its few probes and the draft's prefill of its prompt (a token of it ~1/20 of a
-    decode step on a CPU) cost ~1% of its output's time. Explorers start from an optimistic estimate,
-    so that their own first drafts, not other requests' acceptance, decide. A verdict that drafting
+    decode step on a CPU) cost ~1% of its output's time. Those start from an optimistic estimate, so
+    that their own first drafts, not other requests' acceptance, decide (the one-in-`every` explorers
+    start from the engine's: optimistic, they taught it the stall case's stories pay, and the streams'
+    drafts then rode in each chunk step of a long prompt, +25% on its TTFT). A verdict that drafting
     may pay lets every request draft again."""
 
     MARGIN = 0.1
@@ -251,15 +253,14 @@ class SpeculationGate:
         if choose_k(alpha, *ratios, self.k_max, overhead, model.parallel) > 0:
             self.every, self.skipped = self.MIN_EVERY, 0
             return acceptance.prior()
-        explorer = AcceptanceEstimate(accepted=1.0, trials=1.0)  # one draft, accepted
         if batch <= 1 and max_tokens >= max(self.EXPLORE_TOKENS, 4 * prompt_tokens) and \
                 choose_k(1.0, *ratios, self.k_max, overhead, model.parallel) > 0:
-            return explorer
+            return AcceptanceEstimate(accepted=1.0, trials=1.0)  # one draft, accepted
         self.skipped += 1
         if self.skipped < self.every or batch > 1:
             return None
         self.every, self.skipped = min(self.MAX_EVERY, 2 * self.every), 0
-        return explorer
+        return acceptance.prior()
 
 
 def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> int:

@@ -176,7 +176,7 @@ def test_gate_lets_a_long_request_with_a_short_prompt_explore_from_its_own_draft
     assert gate.admit(low, costs, 1, max_tokens=1000, prompt_tokens=300) is None  # the draft's prefill would cost too much
     assert gate.admit(low, costs, 1, max_tokens=0, prompt_tokens=11) is None  # no max_tokens: unknown length
     assert gate.admit(low, costs, 2, max_tokens=1000, prompt_tokens=11) is None  # a probe would cost the batch
-    assert gate.admit(low, costs, 1, max_tokens=40, prompt_tokens=10).alpha == 1.0  # one in 4 skipped: the usual explorer
+    assert gate.admit(low, costs, 1, max_tokens=40, prompt_tokens=10).alpha == low.alpha  # one in 4 skipped: the usual explorer
     hopeless = BatchCosts(3)
     hopeless.for_batch(1).observe(0, 0.0, 0.100)
     hopeless.for_batch(1).observe(3, 0.600, 0.200)  # not even accepted drafts pay
