@@ -631,7 +631,7 @@ class Scheduler:
         if self.spec is None or start is None:  # gated: drafting can't pay at the acceptance measured
             seq.drafts = False  # never drafts: no draft state, prefill or probes
         else:
-            seq.acceptance = start  # an explorer's own, optimistic: its first drafts decide
+            seq.acceptance = start  # the engine's prior, or an explorer's optimistic start
         grammar = None if seq.grammar is None else \
             RequestGrammar(seq.grammar, tuple(seq.output_ids), tuple(seq.params.stop_token_ids))
         self.executor.add_request(seq.request_id, seq.seed, draft=seq.drafts, grammar=grammar)
