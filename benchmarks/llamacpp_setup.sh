@@ -4,12 +4,21 @@
 # ~10 min on 2 cores.
 #
 #   bash benchmarks/llamacpp_setup.sh            # into ~/.cache/tandem/llama.cpp (or $LLAMACPP_DIR)
+#   LLAMACPP_ISA=avx2 bash benchmarks/llamacpp_setup.sh   # AVX2/FMA/F16C only, into ~/.cache/tandem/llama.cpp-avx2
+#
+# LLAMACPP_ISA=avx2 is the stand-in for an x86-64-v3 CPU on a machine that has AVX-512 (compare it with
+# Tandem's cpu_isa: avx2).
 #
 # CPU build for this machine (GGML_NATIVE: AVX-512 / VNNI where the CPU has them; on an AMX CPU the same
 # extensions named one by one, AMX off), OpenMP, no curl.
 set -euo pipefail
 VERSION="${LLAMACPP_VERSION:-11434.0.0}"
-DIR="${LLAMACPP_DIR:-$HOME/.cache/tandem/llama.cpp}"
+ISA_NAME="${LLAMACPP_ISA:-native}"
+case "$ISA_NAME" in
+  native) DIR="${LLAMACPP_DIR:-$HOME/.cache/tandem/llama.cpp}" ;;
+  avx2) DIR="${LLAMACPP_DIR:-$HOME/.cache/tandem/llama.cpp-avx2}" ;;
+  *) echo "LLAMACPP_ISA: native or avx2, not $ISA_NAME" >&2; exit 2 ;;
+esac
 PYTHON="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
 mkdir -p "$DIR"
@@ -25,7 +34,12 @@ fi
 # hasn't granted the process AMX state (and its prompt processing with it). So there: not native, the
 # x86 extensions this CPU has switched on one by one, AMX off.
 ISA=(-DGGML_NATIVE=ON)
-if grep -qw amx_tile /proc/cpuinfo; then
+if [ "$ISA_NAME" = avx2 ]; then
+  ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+       -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
+       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  echo "AVX2-only llama.cpp: ${ISA[*]}"
+elif grep -qw amx_tile /proc/cpuinfo; then
   has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
   ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2="$(has bmi2)"
        -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"

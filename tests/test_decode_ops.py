@@ -21,27 +21,27 @@ def reference_rms_norm(x, w, eps, offset):
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])  # Llama, Gemma
 @pytest.mark.parametrize("n", [64, 576, 100])  # 100: a masked tail
-def test_rms_norm_matches_pytorch_and_rows_are_independent(offset, n):
+def test_rms_norm_matches_pytorch_and_rows_are_independent(kernel, offset, n):
     gen = torch.Generator().manual_seed(n)
     x, w = torch.randn(1200, n, generator=gen) * 3, torch.randn(n, generator=gen)  # enough rows for both threads
-    out = torch.ops.tandem.rms_norm(x, w, 1e-6, offset)
+    out = kernel.ops.rms_norm(x, w, 1e-6, offset)
     torch.testing.assert_close(out, reference_rms_norm(x, w, 1e-6, offset), rtol=2e-6, atol=2e-6)
     for r in (0, 1, 6, 700, 1199):
-        assert torch.equal(torch.ops.tandem.rms_norm(x[r:r + 1].clone(), w, 1e-6, offset), out[r:r + 1])
+        assert torch.equal(kernel.ops.rms_norm(x[r:r + 1].clone(), w, 1e-6, offset), out[r:r + 1])
 
 
 @pytest.mark.parametrize("gelu", [False, True])
-def test_gated_activation_matches_pytorch(gelu):
+def test_gated_activation_matches_pytorch(kernel, gelu):
     gen = torch.Generator().manual_seed(int(gelu))
     gate_up = torch.randn(5, 2 * 1540, generator=gen) * 4  # 1540: a masked tail
     gate_up[0, :6] = torch.tensor([-100.0, 100.0, -1e30, 1e30, 0.0, -0.0])  # far tails stay finite
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
-    out = torch.ops.tandem.gated_act(gate_up, gelu)
+    out = kernel.ops.gated_act(gate_up, gelu)
     assert torch.isfinite(out).all()
     many = torch.randn(100, 2 * 1540, generator=gen)  # rows split across threads: each row as alone
-    both = torch.ops.tandem.gated_act(many, gelu)
-    assert all(torch.equal(torch.ops.tandem.gated_act(many[r:r + 1].clone(), gelu), both[r:r + 1]) for r in (0, 57, 99))
+    both = kernel.ops.gated_act(many, gelu)
+    assert all(torch.equal(kernel.ops.gated_act(many[r:r + 1].clone(), gelu), both[r:r + 1]) for r in (0, 57, 99))
     # PyTorch's tanh form cancels to 0 where ours keeps a tiny value: absolute tolerance at values ~100
     torch.testing.assert_close(out, act * up, rtol=1e-5, atol=1e-5)
 
@@ -85,7 +85,7 @@ def reference_attention(qkv, positions, tables, k_cache, v_cache, cos, sin, q_no
 
 @pytest.mark.parametrize("heads,kv_heads,dim,norms,window", [(9, 3, 64, False, 0), (4, 1, 256, True, 0),
                                                              (4, 2, 32, True, 5), (2, 2, 16, False, 3)])
-def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norms(heads, kv_heads, dim, norms, window):
+def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norms(kernel, heads, kv_heads, dim, norms, window):
     gen = torch.Generator().manual_seed(heads * dim + window)
     B, T, num_blocks, bs = 3, 4, 20, 4
     positions = torch.tensor([[10, 11, 12, 13], [0, 1, 2, 3], [19, 20, 21, 22]])
@@ -100,7 +100,7 @@ def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norm
     scale = 1 / math.sqrt(dim)
     args = (positions, tables)
     ours_k, ours_v = k_cache.clone(), v_cache.clone()
-    out = torch.ops.tandem.decode_attention(qkv, *args, ours_k, ours_v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads,
+    out = kernel.ops.decode_attention(qkv, *args, ours_k, ours_v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads,
                                             scale, window)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ref = reference_attention(qkv, *args, ref_k, ref_v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads, scale, window)
@@ -113,7 +113,7 @@ def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norm
     rows = []
     for t in range(T):
         step = qkv.view(B, T, -1)[:, t].contiguous()
-        rows.append(torch.ops.tandem.decode_attention(
+        rows.append(kernel.ops.decode_attention(
             step, positions[:, t:t + 1].contiguous(), tables, k_one, v_one, cos[:, t].contiguous(),
             sin[:, t].contiguous(), q_norm, k_norm, 1e-6, 1.0, heads, scale, window))
     assert torch.equal(torch.stack(rows, 1).view(B * T, -1), out)
@@ -121,7 +121,7 @@ def test_attention_matches_the_definition_with_grouped_heads_windows_and_qk_norm
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,norms,window", [(9, 3, 64, False, 0), (4, 1, 256, True, 24)])
-def test_a_prompt_cut_anywhere_gets_the_same_attention_bits_as_in_one_call(heads, kv_heads, dim, norms, window):
+def test_a_prompt_cut_anywhere_gets_the_same_attention_bits_as_in_one_call(kernel, heads, kv_heads, dim, norms, window):
     """70 prompt rows from position 5 (tiles of 16 rows, key groups aligned to positions): in one call,
     and cut into calls of 1, 16, 17 and 36 rows, every output row and cache entry is the same bits,
     and both match the definition. (A prefill chunk's keys and values don't depend on where it ends.)"""
@@ -141,7 +141,7 @@ def test_a_prompt_cut_anywhere_gets_the_same_attention_bits_as_in_one_call(heads
         k, v, outs, at = k_cache.clone(), v_cache.clone(), [], 0
         for n in cuts:
             piece = slice(at, at + n)
-            outs.append(torch.ops.tandem.decode_attention(
+            outs.append(kernel.ops.decode_attention(
                 qkv[piece].contiguous(), positions[:, piece].contiguous(), tables, k, v, cos[:, piece].contiguous(),
                 sin[:, piece].contiguous(), q_norm, k_norm, 1e-6, 1.0, heads, scale, window))
             at += n
@@ -158,7 +158,7 @@ def test_a_prompt_cut_anywhere_gets_the_same_attention_bits_as_in_one_call(heads
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,norms,window", [(9, 3, 64, False, 0), (4, 1, 256, True, 24)])
-def test_ragged_rows_get_the_bits_of_each_sequence_alone(heads, kv_heads, dim, norms, window):
+def test_ragged_rows_get_the_bits_of_each_sequence_alone(kernel, heads, kv_heads, dim, norms, window):
     """A step's rows of different lengths in one call (row_seqs names each token's block table): two
     decode rows, a verify row of 4 and a 40-token prompt chunk, each output row and cache entry the
     same bits as that sequence's rows in a call of their own. (A chunk rides in a decode step.)"""
@@ -177,29 +177,29 @@ def test_ragged_rows_get_the_bits_of_each_sequence_alone(heads, kv_heads, dim, n
     q_norm, k_norm = (torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)) if norms else (None, None)
     scale = 1 / math.sqrt(dim)
     k, v = k_cache.clone(), v_cache.clone()
-    ragged = torch.ops.tandem.decode_attention(qkv, positions, tables, k, v, cos, sin, q_norm, k_norm, 1e-6, 1.0,
+    ragged = kernel.ops.decode_attention(qkv, positions, tables, k, v, cos, sin, q_norm, k_norm, 1e-6, 1.0,
                                                heads, scale, window, row_seqs)
     k_alone, v_alone, outs, at = k_cache.clone(), v_cache.clone(), [], 0
     for b, n in enumerate(lengths):
         piece = slice(at, at + n)
-        outs.append(torch.ops.tandem.decode_attention(
+        outs.append(kernel.ops.decode_attention(
             qkv[piece].contiguous(), positions[:, piece].contiguous(), tables[b:b + 1].contiguous(), k_alone, v_alone,
             cos[:, piece].contiguous(), sin[:, piece].contiguous(), q_norm, k_norm, 1e-6, 1.0, heads, scale, window))
         at += n
     assert torch.equal(ragged, torch.cat(outs))
     assert torch.equal(k, k_alone) and torch.equal(v, v_alone)
     with pytest.raises(RuntimeError, match="row_seqs"):  # a row naming a table the step doesn't have
-        torch.ops.tandem.decode_attention(qkv, positions, tables, k, v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads,
+        kernel.ops.decode_attention(qkv, positions, tables, k, v, cos, sin, q_norm, k_norm, 1e-6, 1.0, heads,
                                           scale, window, row_seqs + 1)
 
 
-def test_attention_refuses_positions_and_blocks_outside_the_cache():
+def test_attention_refuses_positions_and_blocks_outside_the_cache(kernel):
     k_cache, v_cache = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)  # 2 blocks of 8
     qkv, trig = torch.zeros(1, 3 * 16), torch.zeros(1, 1, 16)
     for positions, table, match in [([[8]], [[1]], "position"), ([[-1]], [[1]], "position"),
                                     ([[0]], [[2]], "block id"), ([[0]], [[-1]], "block id")]:
         with pytest.raises(RuntimeError, match=match):
-            torch.ops.tandem.decode_attention(qkv, torch.tensor(positions), torch.tensor(table), k_cache, v_cache,
+            kernel.ops.decode_attention(qkv, torch.tensor(positions), torch.tensor(table), k_cache, v_cache,
                                               trig, trig, None, None, 1e-6, 0.0, 1, 0.25, 0)
 
 

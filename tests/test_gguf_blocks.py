@@ -9,13 +9,13 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.gguf_blocks import DECODERS, BlockWeight, decode, read_block_weights
 from engine.models.loading import load_state_dict, resolve_model
-from engine.models.skinny import MAX_ROWS, skinny_kernel_available
+from engine.kernels import MAX_ROWS
 from engine.worker import ModelWorker
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # Q4_1 layers, Q8_0 embedding
 GEMMA3 = "google/gemma-3-270m"  # Q5_0, Q8_0, Q4_K, Q6_K
 
-needs_kernel = pytest.mark.skipif(not skinny_kernel_available(), reason="no AVX-512 or no compiler on this machine")
+from conftest import needs_kernels as needs_kernel  # noqa: E402
 
 
 def random_blocks(type_name: str, rows: int, blocks_per_row: int, rng: np.random.Generator) -> np.ndarray:
@@ -83,10 +83,9 @@ def random_weight(values: range, half: bool, offsets: bool, group: int, n: int, 
     return BlockWeight(q, so, group)
 
 
-@needs_kernel
 @pytest.mark.parametrize("form", sorted(FORMATS))
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_block_kernel_equals_the_float32_kernel_bit_for_bit(form, with_bias):
+def test_block_kernel_equals_the_float32_kernel_bit_for_bit(kernel, form, with_bias):
     gen = torch.Generator().manual_seed(len(form))
     n, k = 99, 4 * 64 + 64  # 99 rows: the last block of 4 is padded
     weight = random_weight(*FORMATS[form], n, k, gen)
@@ -102,9 +101,9 @@ def test_block_kernel_equals_the_float32_kernel_bit_for_bit(form, with_bias):
             torch.set_num_threads(t)
             for m in (1, 2, 5, 6, 7, MAX_ROWS):
                 x = torch.randn(m, k, generator=gen)
-                out = torch.ops.tandem.block_linear(x, packed.q, packed.scale_offset, packed.zero, packed.rows, bias)
-                assert torch.equal(out, torch.ops.tandem.skinny_linear(x, dense, bias)), f"m={m}, threads={t}"
-            got = torch.ops.tandem.block_dequantize(packed.q, packed.scale_offset, packed.zero, packed.rows)
+                out = kernel.ops.block_linear(x, packed.q, packed.scale_offset, packed.zero, packed.rows, bias)
+                assert torch.equal(out, kernel.ops.skinny_linear(x, dense, bias)), f"m={m}, threads={t}"
+            got = kernel.ops.block_dequantize(packed.q, packed.scale_offset, packed.zero, packed.rows)
             assert torch.equal(got, dense)
     finally:
         torch.set_num_threads(threads)
@@ -119,18 +118,17 @@ def test_packing_takes_the_files_own_bytes_where_exact(form, bytes_per_weight):
     assert weight.packed().nbytes == bytes_per_weight * 64 * 256
 
 
-@needs_kernel
-def test_block_kernel_refuses_bad_shapes():
+def test_block_kernel_refuses_bad_shapes(kernel):
     packed = random_weight(*FORMATS["int8, float32 pairs"], 8, 64, torch.Generator().manual_seed(0)).packed()
     q, so = packed.q, packed.scale_offset
     with pytest.raises(RuntimeError, match="does not match x"):
-        torch.ops.tandem.block_linear(torch.randn(2, 48), q, so, 0, 8, None)
+        kernel.ops.block_linear(torch.randn(2, 48), q, so, 0, 8, None)
     with pytest.raises(RuntimeError, match="rows"):
-        torch.ops.tandem.block_linear(torch.randn(2, 64), q, so, 0, 9, None)
+        kernel.ops.block_linear(torch.randn(2, 64), q, so, 0, 9, None)
     with pytest.raises(RuntimeError, match="q must be"):
-        torch.ops.tandem.block_linear(torch.randn(2, 64), q.flatten(0, 1), so, 0, 8, None)
+        kernel.ops.block_linear(torch.randn(2, 64), q.flatten(0, 1), so, 0, 8, None)
     with pytest.raises(RuntimeError, match="scale_offset"):
-        torch.ops.tandem.block_linear(torch.randn(2, 64), q, torch.zeros(2, 3, 4, 2), 0, 8, None)
+        kernel.ops.block_linear(torch.randn(2, 64), q, torch.zeros(2, 3, 4, 2), 0, 8, None)
 
 
 def logits_of_steps(worker: ModelWorker) -> list[torch.Tensor]:

@@ -10,11 +10,12 @@ from engine import LLM, SamplingParams
 from engine.models.gguf_blocks import Int8Blocks
 from engine.models.linear import BlockLinear
 from engine.models.loading import resolve_model
-from engine.models.skinny import MAX_ROWS, int8_kernel_available
+from engine.kernels import MAX_ROWS
 from engine.worker import ModelWorker
+from conftest import KERNEL_TARGETS, needs_kernels
+from engine import kernels as cpu_kernels
 from test_gguf_blocks import FORMATS, GEMMA3, SMOLLM2, logits_of_steps, random_weight
 
-needs_int8 = pytest.mark.skipif(not int8_kernel_available(), reason="no AVX-512 VNNI or no compiler on this machine")
 
 
 def int8_reference(x: torch.Tensor, weight) -> torch.Tensor:
@@ -32,10 +33,9 @@ def int8_reference(x: torch.Tensor, weight) -> torch.Tensor:
     return (xq.double() * scale.double()).view(m, k) @ w.T
 
 
-@needs_int8
 @pytest.mark.parametrize("form", sorted(FORMATS))
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_computes_the_int8_arithmetic(form, with_bias):
+def test_kernel_computes_the_int8_arithmetic(kernel, form, with_bias):
     gen = torch.Generator().manual_seed(len(form) + 1)
     n, k = 99, 4 * 64 + 64  # 99 rows: the last tile of 16 is padded
     weight = random_weight(*FORMATS[form], n, k, gen)
@@ -48,7 +48,7 @@ def test_kernel_computes_the_int8_arithmetic(form, with_bias):
     for m in (1, 5, 8, 9, 70):
         x = torch.randn(m, k, generator=gen)
         x[0, :32] = 0.0  # a block of zeros: scale 0
-        out = torch.ops.tandem.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, bias)
+        out = kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.wide, bias)
         ref = int8_reference(x, weight) + (bias.double() if with_bias else 0)
         # float32 sums of ~K terms: relative to the largest output
         assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), f"m={m}"
@@ -57,22 +57,39 @@ def test_kernel_computes_the_int8_arithmetic(form, with_bias):
         assert (out.double() - exact).abs().max() <= 0.02 * exact.abs().max(), f"m={m}"
 
 
-@needs_int8
-def test_a_row_does_not_depend_on_the_other_rows_or_the_threads():
+@pytest.mark.skipif(len(KERNEL_TARGETS) < 2, reason="this CPU runs one kernel target: nothing to compare it with")
+@pytest.mark.parametrize("form", sorted(FORMATS))
+def test_every_target_computes_the_same_bits(form):
+    """The integer sums are exact and each output's float steps run in one order on every target: the AVX2
+    build (vpmaddubsw, the sign trick for codes of 128 and up) equals the AVX-512 VNNI one bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    weight = random_weight(*FORMATS[form], 70, 320, gen)
+    packed = Int8Blocks.of(weight)
+    bias = torch.randn(70, generator=gen)
+    for m in (1, 3, 8, 13):
+        x = torch.randn(m, 320, generator=gen) * 3
+        outs = {name: cpu_kernels.load(name).ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows,
+                                                               packed.wide, bias) for name in KERNEL_TARGETS}
+        first = outs[KERNEL_TARGETS[0]]
+        for name, out in outs.items():
+            assert torch.equal(out, first), f"{name} differs from {KERNEL_TARGETS[0]} at m={m}"
+
+
+def test_a_row_does_not_depend_on_the_other_rows_or_the_threads(kernel):
     gen = torch.Generator().manual_seed(0)
     weight = random_weight(*FORMATS["4-bit, float32 pairs (Q4_K)"], 1000, 640, gen)
     packed = Int8Blocks.of(weight)
     x = torch.randn(100, 640, generator=gen)
-    full = torch.ops.tandem.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, None)
+    full = kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.wide, None)
     for m in (1, 2, 5, 7, 8, 9, 17, 64, 99):
-        part = torch.ops.tandem.int8_linear(x[:m].contiguous(), packed.u, packed.dm, packed.lo, packed.rows, None)
+        part = kernel.ops.int8_linear(x[:m].contiguous(), packed.u, packed.dm, packed.lo, packed.rows, packed.wide, None)
         assert torch.equal(part, full[:m]), f"rows 0..{m - 1} differ when computed {m} at a time"
-    alone = torch.ops.tandem.int8_linear(x[37:38].contiguous(), packed.u, packed.dm, packed.lo, packed.rows, None)
+    alone = kernel.ops.int8_linear(x[37:38].contiguous(), packed.u, packed.dm, packed.lo, packed.rows, packed.wide, None)
     assert torch.equal(alone, full[37:38])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(torch.ops.tandem.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, None), full)
+        assert torch.equal(kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.wide, None), full)
     finally:
         torch.set_num_threads(threads)
 
@@ -85,23 +102,22 @@ def test_packing_takes_the_files_own_bytes_where_exact(form, bytes_per_weight):
     assert Int8Blocks.of(weight).nbytes == bytes_per_weight * 64 * 256
 
 
-@needs_int8
-def test_kernel_refuses_bad_shapes():
+def test_kernel_refuses_bad_shapes(kernel):
     packed = Int8Blocks.of(random_weight(*FORMATS["int8, float32 pairs"], 16, 64, torch.Generator().manual_seed(0)))
     u, dm = packed.u, packed.dm
     with pytest.raises(RuntimeError, match="does not match x"):
-        torch.ops.tandem.int8_linear(torch.randn(2, 96), u, dm, 0, 16, None)
+        kernel.ops.int8_linear(torch.randn(2, 96), u, dm, 0, 16, False, None)
     with pytest.raises(RuntimeError, match="rows"):
-        torch.ops.tandem.int8_linear(torch.randn(2, 64), u, dm, 0, 17, None)
+        kernel.ops.int8_linear(torch.randn(2, 64), u, dm, 0, 17, False, None)
     with pytest.raises(RuntimeError, match="u must be"):
-        torch.ops.tandem.int8_linear(torch.randn(2, 64), u.flatten(0, 1), dm, 0, 16, None)
+        kernel.ops.int8_linear(torch.randn(2, 64), u.flatten(0, 1), dm, 0, 16, False, None)
     with pytest.raises(RuntimeError, match="dm must be"):
-        torch.ops.tandem.int8_linear(torch.randn(2, 64), u, torch.zeros(1, 2, 3, 16), 0, 16, None)
+        kernel.ops.int8_linear(torch.randn(2, 64), u, torch.zeros(1, 2, 3, 16), 0, 16, False, None)
     with pytest.raises(RuntimeError, match="bias"):
-        torch.ops.tandem.int8_linear(torch.randn(2, 64), u, dm, 0, 16, torch.zeros(3))
+        kernel.ops.int8_linear(torch.randn(2, 64), u, dm, 0, 16, False, torch.zeros(3))
 
 
-@needs_int8
+@needs_kernels
 @pytest.mark.parametrize("model", [SMOLLM2, GEMMA3])
 def test_a_model_on_int8_stays_close_to_float32(model):
     """Every quantized layer runs on the int8 kernel, in every step kind (prefill, decode, verify). On
@@ -120,7 +136,7 @@ def test_a_model_on_int8_stays_close_to_float32(model):
     assert (got - want).abs().max() < 8  # the largest logits are ~35-40
 
 
-@needs_int8
+@needs_kernels
 def test_a_verify_step_gives_each_row_the_bits_of_a_one_token_step():
     """The verify step of K+1 = 5 tokens against 5 single-token steps from the same cache."""
     source = resolve_model(GEMMA3)
@@ -133,7 +149,7 @@ def test_a_verify_step_gives_each_row_the_bits_of_a_one_token_step():
     assert torch.equal(verify[0], torch.cat([s[0] for s in singles]))
 
 
-@needs_int8
+@needs_kernels
 def test_speculative_decoding_on_int8_equals_plain_decoding_on_int8():
     """Gemma 3 <- SmolLM2 (TLI), K=3, both on the int8 kernel: the target's tokens and logprobs are
     those of plain decoding, whatever the draft proposes."""

@@ -2,8 +2,8 @@
 
 - `nn.Linear` / `nn.Embedding`: what a model is built and loaded with; F.linear (other dtypes and
   devices, before packing).
-- `PackedLinear` (CPU, float32, after `pack_linears`): up to skinny.MAX_ROWS rows (decode and verify
-  steps, short prompts) our AVX-512 kernel, which reads each weight line once for all rows, so a
+- `PackedLinear` (CPU, float32, after `pack_linears`): up to kernels.MAX_ROWS rows (decode and verify
+  steps, short prompts) our small-row kernel (engine/kernels), which reads each weight line once for all rows, so a
   verify step of K+1 tokens costs little more than a decode step, and a row's result does not
   depend on the other rows (1-token and K+1-token steps agree bit for bit); more rows (prefill)
   oneDNN with a pre-packed weight (MKL's sgemm is 2-3x slower here). It holds the weight twice.
@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import kernels as cpu_kernels
+from engine.kernels import MAX_ROWS, Kernels
 from engine.models.gguf_blocks import BlockWeight, Int8Blocks, PackedBlocks
-from engine.models.skinny import MAX_ROWS, int8_kernel_available, skinny_kernel_available
 
 
 def onednn_available() -> bool:
@@ -44,23 +45,27 @@ def dense_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
 
 
 class PackedLinear(nn.Module):
-    """A float32 CPU linear on the skinny kernel (small steps) and oneDNN (prefill)."""
+    """A float32 CPU linear on the small-row kernel (small steps; `kernels` None: none) and oneDNN (prefill)."""
 
-    def __init__(self, layer: nn.Linear, skinny: bool, keep_dense: bool):
+    def __init__(self, layer: nn.Linear, kernels: Kernels | None, keep_dense: bool):
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.skinny = skinny
+        self.kernels = kernels
         self.packed = layer.weight.detach().to_mkldnn()
-        # the skinny kernel reads the dense weight; without it only a weight another module shares
+        # the small-row kernel reads the dense weight; without it only a weight another module shares
         # (a tied LM head's embedding table) stays
-        self.weight = _frozen(layer.weight.detach().contiguous()) if skinny else \
+        self.weight = _frozen(layer.weight.detach().contiguous()) if kernels else \
             layer.weight if keep_dense else _frozen(torch.empty(0))
         self.bias = layer.bias
 
+    @property
+    def skinny(self) -> bool:
+        return self.kernels is not None
+
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if self.skinny and flat.shape[0] <= MAX_ROWS:
-            out = torch.ops.tandem.skinny_linear(flat.contiguous(), self.weight, self.bias)
+        if self.kernels is not None and flat.shape[0] <= MAX_ROWS:
+            out = self.kernels.ops.skinny_linear(flat.contiguous(), self.weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -77,18 +82,23 @@ class BlockLinear(nn.Module):
         self.blocks = blocks
         self.out_features, self.in_features = blocks.shape
         self.bias = bias
+        self.kernels: Kernels | None = None  # set by pack_linears
 
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.blocks, BlockWeight):  # not through pack_linears: pack on first use
             self.blocks = self.blocks.packed()
-        b = self.blocks
+        if self.kernels is None:
+            self.kernels = cpu_kernels.active() or cpu_kernels.choose()
+            if self.kernels is None:
+                raise RuntimeError("GGUF blocks need the CPU kernels, which this machine can't run")
+        ops, b = self.kernels.ops, self.blocks
         flat = x.reshape(-1, x.shape[-1])
         if isinstance(b, Int8Blocks):
-            out = torch.ops.tandem.int8_linear(flat, b.u, b.dm, b.lo, b.rows, self.bias)
+            out = ops.int8_linear(flat, b.u, b.dm, b.lo, b.rows, b.wide, self.bias)
         elif flat.shape[0] <= MAX_ROWS:
-            out = torch.ops.tandem.block_linear(flat.contiguous(), b.q, b.scale_offset, b.zero, b.rows, self.bias)
+            out = ops.block_linear(flat.contiguous(), b.q, b.scale_offset, b.zero, b.rows, self.bias)
         else:  # prefill: the float32 path's own oneDNN call, on this call's dequantized copy
-            weight = torch.ops.tandem.block_dequantize(b.q, b.scale_offset, b.zero, b.rows)
+            weight = ops.block_dequantize(b.q, b.scale_offset, b.zero, b.rows)
             out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -131,33 +141,36 @@ def use_blocks(model: nn.Module, blocks: dict[str, BlockWeight]) -> int:
     return sum(w.nbytes for w in blocks.values())
 
 
-def pack_linears(model: nn.Module, skinny: bool | None = None, int8: bool = False) -> int:
+def pack_linears(model: nn.Module, kernels: Kernels | None | str = "auto", int8: bool = False) -> int:
     """Prepare a model's CPU float32 linears for inference. Returns how many became PackedLinear.
 
-    Each nn.Linear becomes a PackedLinear (a oneDNN-packed copy; the dense weight kept for the skinny
-    kernel when `skinny`, None: if it builds here). Block layers take their packed form: Int8Blocks
-    when `int8` (and the int8 kernel runs here), else PackedBlocks (the same values in fewer bytes).
-    Then the model's C++ decode layers are built where they can run.
+    `kernels`: the CPU kernels to run on (engine.kernels.choose's; a cpu_isa name such as "auto" is
+    chosen here; None: oneDNN and PyTorch only). Each nn.Linear becomes a PackedLinear (a oneDNN-packed
+    copy; the dense weight kept for the small-row kernel where there are kernels). Block layers take
+    their packed form: Int8Blocks when `int8`, else PackedBlocks (the same values in fewer bytes). Then
+    the model's C++ decode layers are built where they can run.
     """
     if not onednn_available():
         return 0
-    if skinny is None:
-        skinny = skinny_kernel_available()
-    pack = Int8Blocks.of if int8 and skinny and int8_kernel_available() else PackedBlocks.of
-    if skinny and hasattr(model, "cpu_kernels"):  # the same library holds the decode layer's other ops
-        model.cpu_kernels = True
+    if isinstance(kernels, str):
+        kernels = cpu_kernels.choose(kernels)
+    pack = Int8Blocks.of if int8 and kernels is not None else PackedBlocks.of
+    if kernels is not None and hasattr(model, "cpu_kernels"):  # the same library holds the decode layer's other ops
+        model.kernels, model.cpu_kernels = kernels, True
     packed: dict[int, PackedBlocks | Int8Blocks] = {}  # a tied LM head shares its embedding's blocks
     for module in model.modules():
         if isinstance(module, (BlockLinear, BlockEmbedding)) and isinstance(module.blocks, BlockWeight):
             if id(module.blocks) not in packed:
                 packed[id(module.blocks)] = pack(module.blocks)
             module.blocks = packed[id(module.blocks)]
+        if isinstance(module, BlockLinear):
+            module.kernels = kernels
     shared = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
               if not name.endswith(("_proj.weight", "lm_head.weight"))}
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear
                and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     for name, layer in linears:
-        _replace(model, name, PackedLinear(layer, skinny, keep_dense=id(layer.weight) in shared))
+        _replace(model, name, PackedLinear(layer, kernels, keep_dense=id(layer.weight) in shared))
     if getattr(model, "cpu_kernels", False):
         model.build_decode_layers()
     return len(linears)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from engine.models.gguf_blocks import BlockWeight, Int8Blocks
 from engine.models.linear import BlockLinear, PackedLinear, dense
-from engine.models.skinny import MAX_ROWS
+from engine.kernels import MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,9 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
 
-    def forward(self, x: Tensor, cpu_kernels: bool = False) -> Tensor:
-        if cpu_kernels:
-            flat = torch.ops.tandem.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, self.offset)
+    def forward(self, x: Tensor, cpu_kernels=None) -> Tensor:
+        if cpu_kernels:  # an engine.kernels.Kernels
+            flat = cpu_kernels.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, self.offset)
             return flat.view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -167,7 +167,7 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x).view(B * T, -1)
             cos, sin = ctx.rope[ctx.layer_rope[self.layer]]
             qk = self.q_norm is not None
-            out = torch.ops.tandem.decode_attention(
+            out = ctx.cpu_kernels.ops.decode_attention(
                 qkv, ctx.positions, ctx.tables, ctx.cache.k[self.layer], ctx.cache.v[self.layer], cos, sin,
                 self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
                 self.q_norm.eps if qk else 0.0, self.q_norm.offset if qk else 0.0, self.num_heads, self.scale,
@@ -256,10 +256,10 @@ class MLP(nn.Module):
         self.gate_up_proj = _concat_linears(self.gate_proj, self.up_proj)
         self.gate_proj = self.up_proj = None
 
-    def forward(self, x: Tensor, cpu_kernels: bool = False) -> Tensor:
+    def forward(self, x: Tensor, cpu_kernels=None) -> Tensor:
         if cpu_kernels and getattr(self, "gate_up_proj", None) is not None:
             gate_up = self.gate_up_proj(x)
-            hidden = torch.ops.tandem.gated_act(gate_up.view(-1, gate_up.shape[-1]), self.gelu)
+            hidden = cpu_kernels.ops.gated_act(gate_up.view(-1, gate_up.shape[-1]), self.gelu)
             out = self.down_proj(hidden.view(*x.shape[:-1], -1))
         else:
             if getattr(self, "gate_up_proj", None) is not None:
@@ -313,9 +313,9 @@ class ForwardContext:
     """What every layer of one forward call shares: block tables, positions, masks, rotary tables."""
 
     def __init__(self, args: ModelArgs, cache, tables: Tensor, positions: Tensor, dtype: torch.dtype,
-                 cpu_kernels: bool = False):
+                 cpu_kernels=None):
         self.cache, self.tables, self.positions = cache, tables, positions  # tables [B, blocks], positions [B, T]
-        self.cpu_kernels = cpu_kernels
+        self.cpu_kernels = cpu_kernels  # the engine.kernels.Kernels this forward runs its ops on, or None
         self.cpp_layers = False  # each layer as its C++ call, where built (decode and verify steps; any step on int8)
         self.row_seqs: Tensor | None = None  # ragged rows: each token's row of `tables` (positions [1, N])
         self.layer_rope = args.layer_rope
@@ -369,8 +369,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # csrc/decode_ops.cpp for norms, attention and activations: set by pack_linears where it builds
-        # (CPU, float32, projections fused)
+        # engine/kernels for norms, attention and activations: set by pack_linears where there are kernels
+        # (CPU, float32, projections fused); cpu_kernels False turns them off (kernels stays)
+        self.kernels = None
         self.cpu_kernels = False
         # every linear of every C++ layer on the int8 kernel, which takes any number of rows: every
         # forward (prefill chunks too) runs the layers in C++, so a token's keys and values don't depend
@@ -401,18 +402,18 @@ class Transformer(nn.Module):
         self.decode_layers = None
         self.layers_take_any_rows = False
         layers = self.model.layers
-        if not self.cpu_kernels or any(l.self_attn.tp_group is not None or getattr(l.self_attn, "qkv_proj", None) is None
+        if not self.cpu_kernels or self.kernels is None or any(l.self_attn.tp_group is not None or getattr(l.self_attn, "qkv_proj", None) is None
                                        or getattr(l.mlp, "gate_up_proj", None) is None for l in layers):
             return False
         built, any_rows = [], True
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            cpp = torch.classes.tandem.DecodeLayer(attn.num_heads, attn.scale, attn.window or 0,
+            cpp = self.kernels.decode_layer(attn.num_heads, attn.scale, attn.window or 0,
                                                    layer.input_layernorm.eps, layer.input_layernorm.offset, mlp.gelu)
             for which, linear_layer in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 if isinstance(linear_layer, BlockLinear) and isinstance(linear_layer.blocks, Int8Blocks):
                     blocks = linear_layer.blocks
-                    cpp.set_int8_linear(which, blocks.u, blocks.dm, blocks.lo, blocks.rows, linear_layer.bias)
+                    cpp.set_int8_linear(which, blocks.u, blocks.dm, blocks.lo, blocks.rows, blocks.wide, linear_layer.bias)
                     continue
                 any_rows = False  # the kernels below take at most MAX_ROWS rows
                 if isinstance(linear_layer, BlockLinear):
@@ -445,10 +446,11 @@ class Transformer(nn.Module):
         x = m.embed_tokens(tokens)
         if self.args.embed_scale != 1.0:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
-        kernels = self.cpu_kernels and x.device.type == "cpu" and x.dtype == torch.float32
+        on = self.cpu_kernels and self.kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
+        kernels = self.kernels if on else None
         ctx = ForwardContext(self.args, cache, tables.contiguous(), positions.contiguous(), x.dtype, kernels)
         B, T = tokens.shape
-        ctx.cpp_layers = kernels and (self.layers_take_any_rows or T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS)
+        ctx.cpp_layers = on and (self.layers_take_any_rows or T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS)
         if row_seqs is not None:
             if not (ctx.cpp_layers and self.layers_take_any_rows):
                 raise ValueError("ragged rows need every layer in C++ on the int8 kernel")

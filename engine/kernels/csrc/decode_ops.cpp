@@ -4,14 +4,14 @@
 // overhead was as large as the linears themselves (benchmarks/decode_step.py).
 //
 // Every output row is computed on its own, in a fixed order that does not depend on how many rows the
-// step has, so a 1-token decode and a K+1-token verify still agree bit for bit.
+// step has, so a 1-token decode and a K+1-token verify still agree bit for bit (on one target; across
+// targets the last bits of a sum may differ, simd.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include "kernels.h"
 
@@ -19,78 +19,67 @@
 #include <cmath>
 #include <vector>
 
+namespace tandem {
+namespace TANDEM_ISA {
 namespace {
 
-constexpr int64_t LANES = 16;
+using namespace simd;
+constexpr int64_t LANES = kLanes;
 
-// e^x for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (< 2 ulp),
-// times 2^n by scalef. Below -87.3 the result is 0, above 88.7 +inf.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two: exact first part
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// e^x lane by lane: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (< 2 ulp), times
+// 2^n. Below -87.3 the result is 0 or tiny, above 88.7 +inf.
+inline F exp_lanes(F x) {
+  x = min(max(x, set1(-88.0f)), set1(88.7f));
+  const F n = round_even(mul(x, set1(1.44269504088896341f)));
+  F r = fnmadd(n, set1(0.693359375f), x);  // ln2 split in two: exact first part
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  F p = set1(1.0f / 720);
+  p = fmadd(p, r, set1(1.0f / 120));
+  p = fmadd(p, r, set1(1.0f / 24));
+  p = fmadd(p, r, set1(1.0f / 6));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.0f));
+  p = fmadd(p, r, set1(1.0f));
+  return scale_pow2(p, n);
 }
 
 // rows per thread for an op of n features a row: below ~64K values a thread's start costs more than the work
 inline int64_t row_grain(int64_t n) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, n)); }
 
-inline __mmask16 tail_mask(int64_t left) { return left >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
-
 inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  F acc = zero();
   for (int64_t i = 0; i < n; i += LANES) {
-    const __mmask16 m = tail_mask(n - i);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    const M m = first(n - i);
+    acc = fmadd(load(m, a + i), load(m, b + i), acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return reduce_add(acc);
 }
 
-// q . k[l] for 16 keys: 16 running sums over the d values, then one transposing reduction that adds
-// each key's 16 lanes in the same tree (x[e] + x[e+2], then pairs, then 128-bit quarters), so a score
-// doesn't depend on the keys beside it. ~2.5x fewer shuffles than 16 horizontal sums.
-inline __m512 dot16(const float* q, const float* const* k, int64_t d) {
-  __m512 acc[LANES];
-  for (int64_t l = 0; l < LANES; ++l) acc[l] = _mm512_setzero_ps();
+// q . k[l] for kLanes keys: kLanes running sums over the d values, then one transposing reduction that
+// adds each key's lanes in the same tree, so a score doesn't depend on the keys beside it.
+inline F dot_keys(const float* q, const float* const* k, int64_t d) {
+  F acc[LANES];
+  for (int64_t l = 0; l < LANES; ++l) acc[l] = zero();
   for (int64_t i = 0; i < d; i += LANES) {
-    const __mmask16 m = tail_mask(d - i);
-    const __m512 qi = _mm512_maskz_loadu_ps(m, q + i);
-    for (int64_t l = 0; l < LANES; ++l) acc[l] = _mm512_fmadd_ps(qi, _mm512_maskz_loadu_ps(m, k[l] + i), acc[l]);
+    const M m = first(d - i);
+    const F qi = load(m, q + i);
+    for (int64_t l = 0; l < LANES; ++l) acc[l] = fmadd(qi, load(m, k[l] + i), acc[l]);
   }
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit quarter: [a0+a2, b0+b2, a1+a3, b1+b3] of keys a = 2i, b = 2i+1
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per quarter: keys 4i..4i+3, each its quarter's sum
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
-  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44), _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
-  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44), _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+  return transpose_sums(acc);
 }
 
 // y = x * rsqrt(mean(x^2) + eps) * (offset + w): Llama's norm (offset 0) and Gemma's (offset 1).
 inline void rms_norm_row(const float* x, const float* w, float eps, float offset, int64_t n, float* y) {
   const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
-  const __m512 rv = _mm512_set1_ps(r), off = _mm512_set1_ps(offset);
+  const F rv = set1(r), off = set1(offset);
   for (int64_t i = 0; i < n; i += LANES) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 h = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), rv);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(h, _mm512_add_ps(off, _mm512_maskz_loadu_ps(m, w + i))));
+    const M m = first(n - i);
+    const F h = mul(load(m, x + i), rv);
+    store(m, y + i, mul(h, add(off, load(m, w + i))));
   }
 }
 
 }  // namespace
-
-namespace tandem {
 
 void check_rows(const char* op, const at::Tensor& t) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.is_contiguous(),
@@ -120,22 +109,22 @@ at::Tensor gated_act(const at::Tensor& gate_up, bool gelu) {
   at::Tensor y = at::empty({rows, n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const F one = set1(1.0f);
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *g = gp + r * 2 * n, *u = g + n;
       for (int64_t i = 0; i < n; i += LANES) {
-        const __mmask16 m = tail_mask(n - i);
-        const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+        const M m = first(n - i);
+        const F x = load(m, g + i);
         // SiLU: x / (1 + e^-x). GELU (tanh form): 0.5 x (1 + tanh(y)) = x / (1 + e^-2y), which has no
         // cancellation where tanh(y) nears -1.
-        __m512 z = _mm512_sub_ps(_mm512_setzero_ps(), x);
+        F z = sub(zero(), x);
         if (gelu) {
-          const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-          z = _mm512_mul_ps(_mm512_set1_ps(-2.0f * 0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+          const F x3 = mul(mul(x, x), x);
+          z = mul(set1(-2.0f * 0.7978845608028654f), fmadd(set1(0.044715f), x3, x));
         }
-        const __m512 a = _mm512_div_ps(x, _mm512_add_ps(one, exp16(z)));
-        _mm512_mask_storeu_ps(yp + r * n + i, m, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, u + i)));
+        const F a = div(x, add(one, exp_lanes(z)));
+        store(m, yp + r * n + i, mul(a, load(m, u + i)));
       }
     }
   });
@@ -143,31 +132,35 @@ at::Tensor gated_act(const at::Tensor& gate_up, bool gelu) {
 }
 
 // o[0:D] += w[s] * values[s][0:D] for s in [from, to), in that order in every lane; the running sums stay in
-// registers across the keys (C = D / 16 of them where the head size is one we serve).
+// registers across the keys, C registers of columns [col, col + C * kLanes) at a time.
 template <int C>
-inline void accumulate_fixed(float* o, const float* w, const float* const* values, int64_t from, int64_t to) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_loadu_ps(o + c * LANES);
+inline void accumulate_fixed(float* o, const float* w, const float* const* values, int64_t from, int64_t to, int64_t col) {
+  F acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = loadu(o + col + c * LANES);
   for (int64_t s = from; s < to; ++s) {
-    const __m512 ws = _mm512_set1_ps(w[s]);
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(ws, _mm512_loadu_ps(values[s] + c * LANES), acc[c]);
+    const F ws = set1(w[s]);
+    for (int c = 0; c < C; ++c) acc[c] = fmadd(ws, loadu(values[s] + col + c * LANES), acc[c]);
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + c * LANES, acc[c]);
+  for (int c = 0; c < C; ++c) storeu(o + col + c * LANES, acc[c]);
 }
 
 inline void accumulate_values(float* o, const float* w, const float* const* values, int64_t from, int64_t to, int64_t d) {
-  switch (d) {
-    case 64: return accumulate_fixed<4>(o, w, values, from, to);
-    case 128: return accumulate_fixed<8>(o, w, values, from, to);
-    case 256: return accumulate_fixed<16>(o, w, values, from, to);
-    default:
-      for (int64_t i = 0; i < d; i += LANES) {
-        const __mmask16 m = tail_mask(d - i);
-        __m512 acc = _mm512_maskz_loadu_ps(m, o + i);
-        for (int64_t s = from; s < to; ++s)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(w[s]), _mm512_maskz_loadu_ps(m, values[s] + i), acc);
-        _mm512_mask_storeu_ps(o + i, m, acc);
-      }
+  const int64_t chunks = d / LANES;
+  if (d % LANES == 0 && (chunks == 4 || chunks == 8 || chunks == 16 || chunks == 32)) {  // head sizes we serve
+    // a pass holds at most half the registers (256-wide heads take two passes on 16 registers)
+    const int64_t per = std::min<int64_t>(chunks, kRegisters / 2);
+    for (int64_t c = 0; c < chunks; c += per) {
+      if (per == 4) accumulate_fixed<4>(o, w, values, from, to, c * LANES);
+      else if (per == 8) accumulate_fixed<8>(o, w, values, from, to, c * LANES);
+      else accumulate_fixed<16>(o, w, values, from, to, c * LANES);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < d; i += LANES) {
+    const M m = first(d - i);
+    F acc = load(m, o + i);
+    for (int64_t s = from; s < to; ++s) acc = fmadd(set1(w[s]), load(m, values[s] + i), acc);
+    store(m, o + i, acc);
   }
 }
 
@@ -338,8 +331,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
         const int64_t p = pos[r0 + j / heads_per_tile];
         lo = (window > 0 ? std::max<int64_t>(0, p - window + 1) : 0) - first, n = p - first + 1 - lo;
       };
-      // scores, for the 16 keys of each aligned group of positions at once (a key's lane is its position
-      // mod 16, whatever the tile), every query of the tile in turn while the group sits in L1
+      // scores, for the kLanes keys of each aligned group of positions at once (a key's lane is its position
+      // mod kLanes, whatever the tile), every query of the tile in turn while the group sits in L1
       for (int64_t at = first & ~(LANES - 1); at <= last; at += LANES) {
         const float* group[LANES];
         for (int64_t l = 0; l < LANES; ++l) group[l] = keys[std::clamp<int64_t>(at + l - first, 0, span - 1)];
@@ -348,9 +341,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
           visible(j, lo, n);
           const int64_t base = at - first, from = std::max(base, lo) - base, to = std::min(base + LANES, lo + n) - base;
           if (from >= to) continue;
-          const __mmask16 m = (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
-          _mm512_mask_storeu_ps(scores.data() + j * stride + LANES + base, m,
-                                _mm512_mul_ps(dot16(q.data() + j * D, group, D), _mm512_set1_ps((float)scale)));
+          store(lanes(from, to), scores.data() + j * stride + LANES + base,
+                mul(dot_keys(q.data() + j * D, group, D), set1((float)scale)));
         }
       }
       for (int64_t j = 0; j < nq; ++j) {  // softmax weights, unnormalised; the sum's lanes start at lo
@@ -359,15 +351,15 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
         float* sc = scores.data() + j * stride + LANES + lo;
         float top = -INFINITY;
         for (int64_t s = 0; s < n; ++s) top = std::max(top, sc[s]);
-        __m512 total = _mm512_setzero_ps();
+        F total = zero();
         for (int64_t s = 0; s < n; s += LANES) {
-          const __mmask16 m = tail_mask(n - s);
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s), _mm512_set1_ps(top)));
-          _mm512_mask_storeu_ps(sc + s, m, e);
-          total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+          const M m = simd::first(n - s);
+          const F e = exp_lanes(sub(load(m, sc + s), set1(top)));
+          store(m, sc + s, e);
+          total = add(total, keep(m, e));
         }
         // the normaliser waits in q (no longer needed) until the values are summed
-        q[j * D] = 1.0f / _mm512_reduce_add_ps(total);
+        q[j * D] = 1.0f / reduce_add(total);
       }
       auto out_of = [&](int64_t j) { return op + (r0 + j / heads_per_tile) * H * D + (h0 + j % heads_per_tile) * D; };
       for (int64_t j = 0; j < nq; ++j) std::fill(out_of(j), out_of(j) + D, 0.0f);
@@ -382,10 +374,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
       }
       for (int64_t j = 0; j < nq; ++j) {
         float* o = out_of(j);
-        const __m512 inv = _mm512_set1_ps(q[j * D]);
+        const F inv = set1(q[j * D]);
         for (int64_t i = 0; i < D; i += LANES) {
-          const __mmask16 m = tail_mask(D - i);
-          _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + i), inv));
+          const M m = simd::first(D - i);
+          store(m, o + i, mul(load(m, o + i), inv));
         }
       }
     }
@@ -393,9 +385,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
   return out;
 }
 
+}  // namespace TANDEM_ISA
 }  // namespace tandem
 
-TORCH_LIBRARY_FRAGMENT(tandem, lib) {
+TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
   lib.def("gated_act(Tensor gate_up, bool gelu) -> Tensor");
   lib.def("decode_attention(Tensor qkv, Tensor positions, Tensor tables, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -403,8 +396,8 @@ TORCH_LIBRARY_FRAGMENT(tandem, lib) {
           "float scale, int window, Tensor? row_seqs=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, lib) {
-  lib.impl("rms_norm", tandem::rms_norm);
-  lib.impl("gated_act", tandem::gated_act);
-  lib.impl("decode_attention", tandem::decode_attention);
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, lib) {
+  lib.impl("rms_norm", tandem::TANDEM_ISA::rms_norm);
+  lib.impl("gated_act", tandem::TANDEM_ISA::gated_act);
+  lib.impl("decode_attention", tandem::TANDEM_ISA::decode_attention);
 }

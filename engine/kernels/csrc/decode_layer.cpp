@@ -6,10 +6,11 @@
 #include <c10/util/Optional.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include "kernels.h"
 
+namespace tandem {
+namespace TANDEM_ISA {
 namespace {
 
 // A linear's weights: packed blocks (q, scales, zero, rows), int8-kernel blocks (u, dm, lo, rows) or a
@@ -17,11 +18,12 @@ namespace {
 struct LinearWeights {
   at::Tensor q, scale_offset, dense, u, dm;
   int64_t zero = 0, rows = 0;
+  bool wide = false;
   c10::optional<at::Tensor> bias;
   at::Tensor operator()(const at::Tensor& x) const {
-    if (dense.defined()) return tandem::skinny_linear(x, dense, bias);
-    if (u.defined()) return tandem::int8_linear(x, u, dm, zero, rows, bias);
-    return tandem::block_linear(x, q, scale_offset, zero, rows, bias);
+    if (dense.defined()) return skinny_linear(x, dense, bias);
+    if (u.defined()) return int8_linear(x, u, dm, zero, rows, wide, bias);
+    return block_linear(x, q, scale_offset, zero, rows, bias);
   }
 };
 
@@ -31,13 +33,11 @@ void add_into(at::Tensor& dst, const at::Tensor& src) {
   const float* s = src.data_ptr<float>();
   const int64_t n = dst.numel();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, _mm512_add_ps(_mm512_loadu_ps(d + i), _mm512_loadu_ps(s + i)));
+  for (; i + simd::kLanes <= n; i += simd::kLanes) simd::storeu(d + i, simd::add(simd::loadu(d + i), simd::loadu(s + i)));
   for (; i < n; ++i) d[i] += s[i];
 }
 
 }  // namespace
-
-namespace tandem {
 
 struct DecodeLayer : torch::CustomClassHolder {
   static constexpr int64_t QKV = 0, O = 1, GATE_UP = 2, DOWN = 3;
@@ -63,12 +63,12 @@ struct DecodeLayer : torch::CustomClassHolder {
   }
 
   // the int8 kernel's blocks (gguf_blocks.Int8Blocks)
-  void set_int8_linear(int64_t which, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows,
+  void set_int8_linear(int64_t which, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows, bool wide,
                        const c10::optional<at::Tensor>& bias) {
     TORCH_CHECK(which >= 0 && which < 4, "DecodeLayer: no linear ", which);
     LinearWeights& w = linears[which];
     w = LinearWeights();
-    w.u = u, w.dm = dm, w.zero = lo, w.rows = rows, w.bias = bias;
+    w.u = u, w.dm = dm, w.zero = lo, w.rows = rows, w.wide = wide, w.bias = bias;
   }
 
   void set_norms(std::vector<at::Tensor> layer_norms, const c10::optional<at::Tensor>& q, const c10::optional<at::Tensor>& k) {
@@ -100,13 +100,15 @@ struct DecodeLayer : torch::CustomClassHolder {
   }
 };
 
+}  // namespace TANDEM_ISA
 }  // namespace tandem
 
-TORCH_LIBRARY_FRAGMENT(tandem, lib) {
-  lib.class_<tandem::DecodeLayer>("DecodeLayer")
+TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, lib) {
+  using tandem::TANDEM_ISA::DecodeLayer;
+  lib.class_<DecodeLayer>("DecodeLayer")
       .def(torch::init<int64_t, double, int64_t, double, double, bool>())
-      .def("set_linear", &tandem::DecodeLayer::set_linear)
-      .def("set_int8_linear", &tandem::DecodeLayer::set_int8_linear)
-      .def("set_norms", &tandem::DecodeLayer::set_norms)
-      .def("forward", &tandem::DecodeLayer::forward);
+      .def("set_linear", &DecodeLayer::set_linear)
+      .def("set_int8_linear", &DecodeLayer::set_int8_linear)
+      .def("set_norms", &DecodeLayer::set_norms)
+      .def("forward", &DecodeLayer::forward);
 }

@@ -11,7 +11,10 @@
 #include <cmath>
 #include <cstdint>
 
+#include "simd.h"
+
 namespace tandem {
+namespace TANDEM_ISA {
 
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
@@ -47,12 +50,13 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Te
   });
 }
 
+}  // namespace TANDEM_ISA
 }  // namespace tandem
 
-TORCH_LIBRARY_FRAGMENT(tandem, lib) {
+TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, lib) {
   lib.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, lib) {
-  lib.impl("apply_token_bitmask", tandem::apply_token_bitmask);
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, lib) {
+  lib.impl("apply_token_bitmask", tandem::TANDEM_ISA::apply_token_bitmask);
 }

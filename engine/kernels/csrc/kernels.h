@@ -1,19 +1,21 @@
-// The CPU kernels one file of csrc/ calls from another (each is also a torch.ops.tandem op).
+// The CPU kernels one file of csrc/ calls from another (each is also an op of torch.ops.tandem_<target>).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include "simd.h"
+
 namespace tandem {
+namespace TANDEM_ISA {
 
 // skinny_linear.cpp: y = x @ W^T + b for up to 64 rows; W float32 [N, K] or packed blocks
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale_offset, int64_t zero,
                         int64_t rows, const c10::optional<at::Tensor>& bias);
 
-// int8_linear.cpp: y = x @ W^T + b for any rows, W in blocks, x rounded to int8 per 32 (VNNI)
-bool int8_kernel_runs();
+// int8_linear.cpp: y = x @ W^T + b for any rows, W in blocks, x rounded to int8 per 32 values
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows,
-                       const c10::optional<at::Tensor>& bias);
+                       bool wide, const c10::optional<at::Tensor>& bias);
 
 // decode_ops.cpp: the rest of a decode step's layer
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);
@@ -24,4 +26,5 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& positions, 
                             double eps, double norm_offset, int64_t num_heads, double scale, int64_t window,
                             const c10::optional<at::Tensor>& row_seqs = c10::nullopt);
 
+}  // namespace TANDEM_ISA
 }  // namespace tandem

@@ -1,4 +1,4 @@
-// y = x @ W^T + b for the few rows of decode and verify steps (up to skinny.MAX_ROWS), AVX-512, with W
+// y = x @ W^T + b for the few rows of decode and verify steps (up to kernels.MAX_ROWS), with W
 // either float32 or in blocks (W = scale * q + offset, q int8 or 4-bit, one (scale, offset) per `group`
 // weights of a row: the exact form of every GGUF quantization we read, see gguf_blocks.py).
 //
@@ -7,10 +7,11 @@
 // Here every weight vector loaded from memory is used by all rows of the step, so a 5-row step
 // costs ~1.15-1.25x a 1-row step where the weights stream from memory.
 //
-// Every output element is one 16-lane accumulator over k in order, then a fixed horizontal sum:
+// Every output element is one accumulator of kLanes lanes over k in order, then a fixed horizontal sum:
 // a row's result does not depend on how many other rows are in the step, nor on the thread split.
 // So a 1-token decode and a K+1-token verify get bit-identical linear outputs for the same input.
-// The int8 path expands each 16 weights in registers to the very float32 values the dequantized
+// (Across targets the lanes and the sum's tree differ: the last bits may too.)
+// The int8 path expands each kLanes weights in registers to the very float32 values the dequantized
 // copy holds (a multiply, then an add: built with -ffp-contract=off so they are never fused) and
 // then runs the same accumulation: its outputs equal the float32 path's bit for bit.
 //
@@ -21,38 +22,31 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
-#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
 
 #include "kernels.h"
 
+namespace tandem {
+namespace TANDEM_ISA {
 namespace {
 
-constexpr int64_t NR = 4;     // weight rows per block, streamed side by side (reduce4 assumes 4)
-constexpr int64_t LANES = 16; // floats per zmm register
-constexpr int64_t MR = 6;     // rows of x per register tile: MR*NR accumulators + NR + 1 <= 32 registers
+using namespace simd;
 
-// The four horizontal sums of a, b, c, d in one vector, in a fixed order of additions (a quarter
-// of the shuffles and adds of four separate reductions; the tail of every tile runs this).
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // 128-bit quarters: ab = [a0+a2, a1+a3, b0+b2, b1+b3], cd likewise
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  // quarters: [a, b, c, d], each 4 partial sums
-  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  // within each quarter: [x0+x1, x0+x1, x2+x3, x2+x3], then add the swapped pair
-  const __m512 h = _mm512_add_ps(q, _mm512_permute_ps(q, 0xB1));
-  const __m512 t = _mm512_add_ps(h, _mm512_permute_ps(h, 0x4E));
-  // lane 0 of each quarter
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
-}
+constexpr int64_t NR = 4;  // weight rows per block, streamed side by side (reduce4 sums 4)
+constexpr int64_t LANES = kLanes;
+// rows of x per register tile: MR * NR accumulators + NR weights + 1 fit the registers
+constexpr int64_t MR = kRegisters == 32 ? 6 : 2;
 
-// Weight rows as float32: 16 weights are one load.
+// Weight rows as float32: kLanes weights are one load.
 struct F32Rows {
   const float* rows[NR];
   int64_t k;
-  __m512 load(int j, int64_t c) const { return _mm512_loadu_ps(rows[j] + c * LANES); }
-  __m512 load_tail(int j, int64_t c, __mmask16 mask) const { return _mm512_maskz_loadu_ps(mask, rows[j] + c * LANES); }
-  void prefetch_next(int j, int64_t c) const { _mm_prefetch((const char*)(rows[j] + NR * k + c * LANES), _MM_HINT_T0); }
+  F load(int j, int64_t c) const { return loadu(rows[j] + c * LANES); }
+  F load_tail(int j, int64_t c, M mask) const { return simd::load(mask, rows[j] + c * LANES); }
+  void prefetch_next(int j, int64_t c) const { prefetch(rows[j] + NR * k + c * LANES); }
 };
 
 constexpr int64_t SPAN = 32;  // block rows are read 32 weights at a time: every GGUF block is 32 or 256
@@ -66,78 +60,72 @@ constexpr int64_t SPAN = 32;  // block rows are read 32 weights at a time: every
 // NR, pair], so each block of NR rows is one sequential stream. Separate rows of K = 576-640 int8
 // weights (10 cache lines each) streamed at half the rate of long rows: the prefetchers never settled.
 //
-// 4-bit weights take 16 values per group, so the group's 16 float32 weights are computed once into a
-// register (scale * q, then + offset, each rounded: the values of the dequantized copy) and each
-// weight is a lane lookup (vpermps): per 16 weights a widen and a permute instead of a widen, a
-// convert, a multiply and an add.
+// 4-bit weights on 512-bit registers: the group's 16 float32 weights are computed once into a
+// register (scale * q, then + offset, each rounded: the values of the dequantized copy) and each weight
+// is a lane lookup (vpermps): per 16 weights a widen and a permute instead of a widen, a convert, a
+// multiply and an add. On 256-bit registers (8 lanes, no 16-entry lookup) the same two roundings per
+// weight.
 template <bool Nibbles, bool Half, bool Offset>
 struct BlockRows {
   static constexpr int64_t kSpanBytes = Nibbles ? SPAN / 2 : SPAN;
   static constexpr int64_t kPairBytes = (Half ? 2 : 4) * (Offset ? 2 : 1);
+  static constexpr int64_t kPieces = SPAN / LANES;  // registers a span of one row takes
   const uint8_t* q;   // this block's [K / 32, NR, kSpanBytes]
   const uint8_t* so;  // this block's [K / group, NR, pair]
   int64_t group_shift;  // group = 1 << group_shift weights per (scale, offset)
-  __m512 levels;        // Nibbles: the 16 values of q, as float32 (nibble + zero)
-  static void pair(const uint8_t* p, __m512& scale, __m512& offset) {
+  int32_t zero;         // Nibbles: q = nibble + zero
+  static void pair(const uint8_t* p, F& scale, F& offset) {
     if (Half) {
       const __m128 f = _mm_cvtph_ps(Offset ? _mm_cvtsi32_si128(*(const int32_t*)p) : _mm_cvtsi32_si128(*(const uint16_t*)p));
-      scale = _mm512_broadcastss_ps(f);
-      if (Offset) offset = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+      scale = set1(_mm_cvtss_f32(f));
+      if (Offset) offset = set1(_mm_cvtss_f32(_mm_movehdup_ps(f)));
     } else {
-      scale = _mm512_set1_ps(((const float*)p)[0]);
-      if (Offset) offset = _mm512_set1_ps(((const float*)p)[1]);
+      scale = set1(((const float*)p)[0]);
+      if (Offset) offset = set1(((const float*)p)[1]);
     }
   }
-  static __m512 expand(__m512 q, __m512 scale, __m512 offset) {  // q as float32
-    return Offset ? _mm512_add_ps(_mm512_mul_ps(scale, q), offset) : _mm512_mul_ps(scale, q);
+  static F expand(F q, F scale, F offset) {  // q as float32
+    return Offset ? add(mul(scale, q), offset) : mul(scale, q);
   }
-  // weights [32 s, 32 s + 32) of row j: two groups' pairs when the group is 16, else one
-  void load_span(int j, int64_t s, __m512& w0, __m512& w1) const {
-    const int64_t g0 = (s * SPAN) >> group_shift, g1 = (s * SPAN + LANES) >> group_shift;
-    __m512 scale, offset;
-    pair(so + (g0 * NR + j) * kPairBytes, scale, offset);
+  // weights [32 s + LANES p, 32 s + LANES (p + 1)) of row j
+  F load_piece(int j, int64_t s, int p) const {
+    F scale, offset;
+    pair(so + (((s * SPAN + p * LANES) >> group_shift) * NR + j) * kPairBytes, scale, offset);
     const uint8_t* qs = q + (s * NR + j) * kSpanBytes;
-    if (Nibbles) {
-      // vpermps reads the low 4 bits of each index: the byte widened is the low nibble's index as
-      // it is, shifted right by 4 the high one's (no masking)
-      const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
-      const __m512i i1 = _mm512_srli_epi32(i0, 4);
-      const __m512 table = expand(levels, scale, offset);
-      w0 = _mm512_permutexvar_ps(i0, table);
-      if (g1 != g0) {
-        pair(so + (g1 * NR + j) * kPairBytes, scale, offset);
-        w1 = _mm512_permutexvar_ps(i1, expand(levels, scale, offset));
-      } else {
-        w1 = _mm512_permutexvar_ps(i1, table);
-      }
-    } else {
-      w0 = expand(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qs))), scale, offset);
-      if (g1 != g0) pair(so + (g1 * NR + j) * kPairBytes, scale, offset);
-      w1 = expand(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + LANES)))), scale, offset);
-    }
+    if (!Nibbles) return expand(from_i8(qs + p * LANES), scale, offset);
+    // byte b of a span: weight b in its low half, weight b + 16 in its high half
+#if defined(__AVX512F__)
+    // vpermps reads the low 4 bits of each index: the byte widened is the low nibble's index as it
+    // is, shifted right by 4 the high one's (no masking)
+    const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+    const F levels = _mm512_cvtepi32_ps(_mm512_add_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(zero)));
+    return _mm512_permutexvar_ps(p == 0 ? i : _mm512_srli_epi32(i, 4), expand(levels, scale, offset));
+#else
+    const I bytes = widen_u8(qs + (p % 2) * LANES);
+    const I nibble = _mm256_and_si256(p < 2 ? bytes : _mm256_srli_epi32(bytes, 4), _mm256_set1_epi32(0x0F));
+    return expand(to_float(_mm256_add_epi32(nibble, _mm256_set1_epi32(zero))), scale, offset);
+#endif
   }
 };
 
-// The block tile: 32 weights of each of NR rows per iteration, accumulated chunk by chunk in the
+// The block tile: 32 weights of each of NR rows per iteration, accumulated piece by piece in the
 // float32 tile's order (so its outputs equal the float32 kernel's on the dequantized weights).
 template <int R, class Rows>
 inline void block_tile(const float* x, int64_t ldx, const Rows& w_rows, int64_t k,
                        const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n_valid) {
-  __m512 acc[R][NR];
+  F acc[R][NR];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[r][j] = zero();
   for (int64_t s = 0; s < k / SPAN; ++s) {
-    __m512 w0[NR], w1[NR];
-    for (int j = 0; j < NR; ++j) w_rows.load_span(j, s, w0[j], w1[j]);
-    for (int r = 0; r < R; ++r) {
-      __m512 xv = _mm512_loadu_ps(x + r * ldx + s * SPAN);
-      asm("" : "+v"(xv));
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w0[j], acc[r][j]);
-    }
-    for (int r = 0; r < R; ++r) {
-      __m512 xv = _mm512_loadu_ps(x + r * ldx + s * SPAN + LANES);
-      asm("" : "+v"(xv));
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w1[j], acc[r][j]);
+    for (int p = 0; p < Rows::kPieces; ++p) {
+      F w[NR];
+      for (int j = 0; j < NR; ++j) w[j] = w_rows.load_piece(j, s, p);
+      for (int r = 0; r < R; ++r) {
+        F xv = loadu(x + r * ldx + s * SPAN + p * LANES);
+        asm("" : "+v"(xv));
+        for (int j = 0; j < NR; ++j) acc[r][j] = fmadd(xv, w[j], acc[r][j]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -150,9 +138,9 @@ inline void block_tile(const float* x, int64_t ldx, const Rows& w_rows, int64_t 
 template <int R, class Rows>
 inline void tile(const float* x, int64_t ldx, const Rows& w_rows, int64_t k, const float* bias, float* y,
                  int64_t ldy, int64_t n0, int64_t n_valid) {
-  __m512 acc[R][NR];
+  F acc[R][NR];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[r][j] = zero();
   const int64_t full = k / LANES;
   for (int64_t c = 0; c < full; ++c) {
     // With several rows the loop runs long per weight line and the hardware prefetcher falls
@@ -160,23 +148,23 @@ inline void tile(const float* x, int64_t ldx, const Rows& w_rows, int64_t k, con
     // next). One row streams fine on its own.
     if (R > 1)
       for (int j = 0; j < NR; ++j) w_rows.prefetch_next(j, c);
-    __m512 w[NR];
+    F w[NR];
     for (int j = 0; j < NR; ++j) w[j] = w_rows.load(j, c);
     for (int r = 0; r < R; ++r) {
-      __m512 xv = _mm512_loadu_ps(x + r * ldx + c * LANES);
+      F xv = loadu(x + r * ldx + c * LANES);
       // Keep xv in a register: folded into each FMA as a memory operand it costs NR loads, and
       // the loop becomes load-bound (24 loads per 20 FMAs at R=5) instead of FMA-bound.
       asm("" : "+v"(xv));
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+      for (int j = 0; j < NR; ++j) acc[r][j] = fmadd(xv, w[j], acc[r][j]);
     }
   }
   if (full * LANES < k) {  // k tail: masked loads read zeros past the end
-    const __mmask16 mask = (__mmask16)((1u << (k - full * LANES)) - 1);
-    __m512 w[NR];
+    const M mask = first(k - full * LANES);
+    F w[NR];
     for (int j = 0; j < NR; ++j) w[j] = w_rows.load_tail(j, full, mask);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * ldx + full * LANES);
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+      const F xv = simd::load(mask, x + r * ldx + full * LANES);
+      for (int j = 0; j < NR; ++j) acc[r][j] = fmadd(xv, w[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -189,15 +177,19 @@ inline void tile(const float* x, int64_t ldx, const Rows& w_rows, int64_t k, con
 template <class Rows>
 using TileFn = void (*)(const float*, int64_t, const Rows&, int64_t, const float*, float*, int64_t, int64_t, int64_t);
 template <class Rows>
-struct Tiles {
-  static constexpr TileFn<Rows> at[MR + 1] = {nullptr, tile<1, Rows>, tile<2, Rows>, tile<3, Rows>,
-                                              tile<4, Rows>, tile<5, Rows>, tile<6, Rows>};
-};
+struct IsBlocks : std::false_type {};
 template <bool Nibbles, bool Half, bool Offset>
-struct Tiles<BlockRows<Nibbles, Half, Offset>> {
-  using Rows = BlockRows<Nibbles, Half, Offset>;
-  static constexpr TileFn<Rows> at[MR + 1] = {nullptr, block_tile<1, Rows>, block_tile<2, Rows>, block_tile<3, Rows>,
-                                              block_tile<4, Rows>, block_tile<5, Rows>, block_tile<6, Rows>};
+struct IsBlocks<BlockRows<Nibbles, Half, Offset>> : std::true_type {};
+
+// the tile of 1 ... MR rows of x, for float32 or block rows
+template <class Rows, size_t... R>
+constexpr std::array<TileFn<Rows>, MR + 1> tiles_of(std::index_sequence<R...>) {
+  if constexpr (IsBlocks<Rows>::value) return {nullptr, block_tile<R + 1, Rows>...};
+  else return {nullptr, tile<R + 1, Rows>...};
+}
+template <class Rows>
+struct Tiles {
+  static constexpr std::array<TileFn<Rows>, MR + 1> at = tiles_of<Rows>(std::make_index_sequence<MR>{});
 };
 
 const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
@@ -236,8 +228,6 @@ void check_x(const at::Tensor& x) {
 
 }  // namespace
 
-namespace tandem {
-
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   check_x(x);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.size(1) == x.size(1),
@@ -271,7 +261,7 @@ BlockArgs check_blocks(const char* op, const at::Tensor& q, const at::Tensor& sc
                   (scale_offset.size(3) == 1 || scale_offset.size(3) == 2),
               op, ": scale_offset must be a contiguous float32 or float16 [N / 4, K / group, 4, 2] (or [.., 1]: no offsets) tensor");
   const int64_t group = k / scale_offset.size(1);
-  TORCH_CHECK(group >= LANES && (group & (group - 1)) == 0, op, ": group must be a power of two >= 16");
+  TORCH_CHECK(group >= 16 && (group & (group - 1)) == 0, op, ": group must be a power of two >= 16");
   return {rows, k, group, q.scalar_type() == at::kByte, scale_offset.scalar_type() == at::kHalf, scale_offset.size(3) == 2};
 }
 
@@ -293,8 +283,7 @@ Rows block_rows(const BlockArgs& a, const at::Tensor& q, const at::Tensor& scale
   rows.q = (const uint8_t*)q.data_ptr() + blk * (a.k / SPAN) * NR * Rows::kSpanBytes;
   rows.so = (const uint8_t*)scale_offset.data_ptr() + blk * (a.k / a.group) * NR * Rows::kPairBytes;
   rows.group_shift = __builtin_ctzll(a.group);
-  rows.levels = _mm512_cvtepi32_ps(_mm512_add_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int32_t)zero)));
+  rows.zero = (int32_t)zero;
   return rows;
 }
 
@@ -323,12 +312,8 @@ at::Tensor block_dequantize(const at::Tensor& q, const at::Tensor& scale_offset,
       for (int64_t blk = begin; blk < end; ++blk) {
         const Rows br = block_rows<Rows>(a, q, scale_offset, zero, blk);
         for (int64_t j = 0; j < NR && blk * NR + j < a.n; ++j)
-          for (int64_t s = 0; s < k / SPAN; ++s) {
-            __m512 w0, w1;
-            br.load_span(j, s, w0, w1);
-            _mm512_storeu_ps(wp + (blk * NR + j) * k + s * SPAN, w0);
-            _mm512_storeu_ps(wp + (blk * NR + j) * k + s * SPAN + LANES, w1);
-          }
+          for (int64_t s = 0; s < k / SPAN; ++s)
+            for (int p = 0; p < Rows::kPieces; ++p) storeu(wp + (blk * NR + j) * k + s * SPAN + p * LANES, br.load_piece(j, s, p));
       }
     });
     return 0;
@@ -336,16 +321,17 @@ at::Tensor block_dequantize(const at::Tensor& q, const at::Tensor& scale_offset,
   return w;
 }
 
+}  // namespace TANDEM_ISA
 }  // namespace tandem
 
-TORCH_LIBRARY(tandem, lib) {
+TANDEM_LIBRARY(TANDEM_OPS, lib) {
   lib.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   lib.def("block_linear(Tensor x, Tensor q, Tensor scale_offset, int zero, int rows, Tensor? bias) -> Tensor");
   lib.def("block_dequantize(Tensor q, Tensor scale_offset, int zero, int rows) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, lib) {
-  lib.impl("skinny_linear", tandem::skinny_linear);
-  lib.impl("block_linear", tandem::block_linear);
-  lib.impl("block_dequantize", tandem::block_dequantize);
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, lib) {
+  lib.impl("skinny_linear", tandem::TANDEM_ISA::skinny_linear);
+  lib.impl("block_linear", tandem::TANDEM_ISA::block_linear);
+  lib.impl("block_dequantize", tandem::TANDEM_ISA::block_dequantize);
 }
