@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.skinny import int8_kernel_available
+from conftest import needs_kernels
 from engine.worker import SMALL_ROWS, padded_groups
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
@@ -101,13 +101,16 @@ def _prompt_kv(llm: LLM, seq, n: int):
             for layer in range(len(cache.k))]
 
 
-def test_one_step_prefills_its_requests_together_with_the_keys_and_values_of_each_alone():
+def test_one_step_prefills_its_requests_together_with_the_keys_and_values_of_each_alone(cpu_isa):
     """Short prompts admitted at once are prefilled in one forward per model (a longer one beside
     them alone); every key and value is the one a prefill of that prompt alone writes, bit for bit
-    (rows never depend on each other)."""
+    (rows never depend on each other: the CPU kernels' property, on each target; oneDNN's GEMM, the
+    path without them, blocks its rows together and keeps no such promise)."""
     lengths = [5, 12, 9, 3, 40]
-    together = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False)
-    alone = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False)
+    together = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False,
+                   cpu_isa=cpu_isa)
+    alone = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False,
+                cpu_isa=cpu_isa)
     prompts = [prompt_of(together, n)["prompt_token_ids"] for n in lengths]
     seqs = [together.scheduler.add(f"r{i}", None, p, GREEDY) for i, p in enumerate(prompts)]
     together.scheduler.step()
@@ -121,16 +124,16 @@ def test_one_step_prefills_its_requests_together_with_the_keys_and_values_of_eac
         alone.scheduler.abort(f"a{i}")
 
 
-@pytest.mark.skipif(not int8_kernel_available(), reason="no AVX-512 VNNI or no compiler on this machine")
 @pytest.mark.parametrize("model", [GEMMA3, SMOLLM2])
-def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(model):
+def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(model, cpu_isa):
     """On the int8 kernel (the default) every forward runs the per-row C++ layers, so a token's keys
     and values are the same whatever chunk it came in: budgets of 5 (the decode path's row counts),
     16 and 17 (around the old 16-row switch to PyTorch attention), 100 and one chunk of 300."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     kv = {}
     for budget in (4096, 5, 16, 17, 100):
-        llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=budget, enable_prefix_caching=False,
+                  cpu_isa=cpu_isa)
         assert llm.executor.target.worker.model.layers_take_any_rows
         prompt = prompt_of(llm, 300)["prompt_token_ids"]
         seq = llm.scheduler.add("r", None, prompt, params)
@@ -141,14 +144,14 @@ def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(mode
         assert all(torch.equal(a, b) for a, b in zip(got, kv[4096])), budget
 
 
-@pytest.mark.skipif(not int8_kernel_available(), reason="no AVX-512 VNNI or no compiler on this machine")
-def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits():
+def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits(cpu_isa):
     """While a stream decodes, a long prompt's chunks are written by the decode step's own forward
     (ragged rows, no prefill forward of their own), its last as its row's pending tokens (its first
     token from that forward); its keys and values are those of a prefill alone, bit for bit, and
     both requests' greedy tokens are those they get alone."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    alone = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    alone = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=4096, enable_prefix_caching=False,
+                cpu_isa=cpu_isa)
     prompt = prompt_of(alone, 300)["prompt_token_ids"]
     want_stream = alone.generate(prompt_of(alone, 9), params)[0].outputs[0].token_ids
     seq = alone.scheduler.add("long", None, prompt, params)
@@ -157,7 +160,8 @@ def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits():
     while not seq.finished:
         alone.scheduler.step()
 
-    llm = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=64, enable_prefix_caching=False,
+              cpu_isa=cpu_isa)
     worker = llm.executor.target.worker
     assert worker.takes_ragged_rows
     prefill_calls = []
@@ -209,6 +213,7 @@ def test_padded_groups_bound_the_padding_and_keep_every_chunk_once():
     assert len(padded_groups([7, 6, 8, 5, 7, 9, 6], 512)) <= 2
 
 
+@needs_kernels
 def test_on_int8_a_step_computes_at_most_the_budget_in_the_target():
     """With drafts: a prompt whose last chunk becomes its row's pending tokens verifies its first
     drafts in the same forward; those count against the step's budget like a running row's, so

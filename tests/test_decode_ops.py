@@ -1,4 +1,4 @@
-"""The decode layer's CPU kernels (engine/models/csrc/decode_ops.cpp): RMSNorm, gated activations and
+"""The decode layer's CPU kernels (engine/kernels/csrc/decode_ops.cpp, every target this CPU runs): RMSNorm, gated activations and
 attention with the paged KV-cache write, against PyTorch references; rows independent of the step's size."""
 import math
 
@@ -9,9 +9,7 @@ import torch.nn.functional as F
 from engine.kv_cache import KVCache
 from engine.models import build_model, load_state_dict, resolve_model
 from engine.models.linear import pack_linears
-from engine.models.skinny import skinny_kernel_available
-
-pytestmark = pytest.mark.skipif(not skinny_kernel_available(), reason="no AVX-512 or no compiler on this machine")
+from conftest import needs_kernels
 
 
 def reference_rms_norm(x, w, eps, offset):
@@ -204,12 +202,12 @@ def test_attention_refuses_positions_and_blocks_outside_the_cache(kernel):
 
 
 @pytest.mark.parametrize("name", ["random:tiny-llama", "random:tiny-qwen3", "random:tiny-gemma3"])
-def test_a_model_on_the_kernels_matches_its_pytorch_path(name):
+def test_a_model_on_the_kernels_matches_its_pytorch_path(name, kernel):
     """Prefill, then decode and verify-sized steps (tiny-gemma3: sliding window 8), both paths."""
     config, state = load_state_dict(resolve_model(name))
     model = build_model(config, state)
     model.fuse_projections()
-    pack_linears(model)
+    pack_linears(model, kernel)
     assert model.cpu_kernels
     a = model.args
     ids = torch.randint(3, a.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
@@ -229,12 +227,12 @@ def test_a_model_on_the_kernels_matches_its_pytorch_path(name):
 
 @pytest.mark.parametrize("name", ["random:tiny-llama", "random:tiny-qwen3", "random:tiny-gemma3",
                                   "HuggingFaceTB/SmolLM2-135M-Instruct"])
-def test_whole_layers_in_one_call_give_the_per_op_kernel_path_bit_for_bit(name):
+def test_whole_layers_in_one_call_give_the_per_op_kernel_path_bit_for_bit(name, cpu_isa):
     """csrc/decode_layer.cpp runs the same kernels in the same order: decode and verify steps,
     dense float32 weights (the random models) and packed GGUF blocks (SmolLM2)."""
     from engine.worker import ModelWorker
 
-    worker = ModelWorker(resolve_model(name), 12, 8, torch.float32)
+    worker = ModelWorker(resolve_model(name), 12, 8, torch.float32, cpu_isa=cpu_isa)
     model = worker.model
     assert model.decode_layers is not None and len(model.decode_layers) == model.args.num_layers
     ids = torch.randint(3, min(1000, model.args.vocab_size), (2, 30), generator=torch.Generator().manual_seed(1))
@@ -252,8 +250,9 @@ def test_whole_layers_in_one_call_give_the_per_op_kernel_path_bit_for_bit(name):
     assert torch.equal(outs[True].view(torch.int32), outs[False].view(torch.int32))
 
 
+@needs_kernels
 def test_without_the_kernels_a_model_runs_on_pytorch_ops(monkeypatch):
-    """cpu_kernels=False (what a machine without AVX-512 or a compiler gets by itself; also
+    """cpu_kernels=False (what a machine without AVX2 or a compiler gets by itself; also
     TANDEM_CPU_KERNELS=0 in the environment): no decode-layer kernels are used, and a packed model
     still decodes, to the same greedy tokens as with them."""
     from engine import LLM, SamplingParams

@@ -136,11 +136,10 @@ def test_a_model_on_int8_stays_close_to_float32(model):
     assert (got - want).abs().max() < 8  # the largest logits are ~35-40
 
 
-@needs_kernels
-def test_a_verify_step_gives_each_row_the_bits_of_a_one_token_step():
+def test_a_verify_step_gives_each_row_the_bits_of_a_one_token_step(cpu_isa):
     """The verify step of K+1 = 5 tokens against 5 single-token steps from the same cache."""
     source = resolve_model(GEMMA3)
-    worker = ModelWorker(source, 8, 16, torch.float32, gguf_weights="int8")
+    worker = ModelWorker(source, 8, 16, torch.float32, gguf_weights="int8", cpu_isa=cpu_isa)
     model, slots = worker.model, torch.arange(1, 8)[None]
     tokens = torch.randint(0, 1000, (1, 45), generator=torch.Generator().manual_seed(5))
     model(tokens[:, :40], torch.arange(40)[None], worker.cache, slots)
