@@ -9,7 +9,7 @@ COPY serve_config.yaml .
 # torch first and pinned. Which build (CPU or CUDA) comes from the index pip is pointed at:
 # pass --build-arg PIP_EXTRA_INDEX_URL=... for PyTorch's CPU or CUDA wheels.
 ARG PIP_EXTRA_INDEX_URL=""
-# g++: our AVX-512 float32 linear kernel is compiled on first use (engine/models/skinny.py);
+# g++: our CPU kernels are compiled on first use, for the best target the CPU runs (engine/kernels);
 # without a compiler Tandem falls back to oneDNN, slower at decode.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir torch==2.13.0 \

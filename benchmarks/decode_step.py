@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from engine.kv_cache import KVCache
 from engine.models import build_model, load_state_dict, resolve_model
 from engine.models.linear import onednn_available, pack_linears
-from engine.models.skinny import skinny_kernel_available
+from engine import kernels as cpu_kernels
 
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "llama-1.7b": "random:llama-1.7b"}
 CONTEXT = 128  # tokens already in the cache when the timed step runs
@@ -54,8 +54,8 @@ def matvec_bandwidth(iters: int) -> float:
     if onednn_available():
         packed = w.to_mkldnn()
         best = min(best, timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), iters))
-    if skinny_kernel_available():
-        best = min(best, timed(lambda: torch.ops.tandem.skinny_linear(x, w, None), iters))
+    if (kernels := cpu_kernels.choose()) is not None:
+        best = min(best, timed(lambda: kernels.ops.skinny_linear(x, w, None), iters))
     return w.numel() * 4 / (best / 1e3)
 
 
@@ -63,7 +63,7 @@ def matvec_bandwidth(iters: int) -> float:
 def bench_ours(config, state, iters: int, dtype: torch.dtype, skinny: bool) -> dict[str, float]:
     model = build_model(config, state, dtype=dtype)
     model.fuse_projections()
-    pack_linears(model, skinny=skinny)  # float32 only; bfloat16 runs F.linear (oneDNN inside)
+    pack_linears(model, "auto" if skinny else None)  # float32 only; bfloat16 runs F.linear (oneDNN inside)
     a = model.args
     cache = KVCache(a.num_layers, 1, CONTEXT + 8, a.num_kv_heads, a.head_dim, dtype)
     slots = torch.tensor([0])
@@ -109,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    skinny = skinny_kernel_available()
+    skinny = cpu_kernels.choose() is not None
     bandwidth = matvec_bandwidth(args.iters)
     rows = []
     for key in args.models:

@@ -4,4 +4,5 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 [ -f .venv/.tandem-ready ] || bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# the 15 slowest tests at the end of every run: the suite must stay well inside CI's 90 minutes
+exec .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -65,6 +65,7 @@ FORMATS = {
     "int8, float32 pairs": (range(-128, 128), False, True, 32),
     "int8, float16 scales only (Q8_0)": (range(-128, 128), True, False, 32),
     "int8, groups of 16 (Q6_K)": (range(-32, 32), False, False, 16),
+    "5-bit codes in a byte, float16 scales only (Q5_0)": (range(-16, 16), True, False, 32),
     "4-bit from 0, float16 pairs (Q4_1)": (range(0, 16), True, True, 32),
     "4-bit from -8, scales only (Q4_0)": (range(-8, 8), True, False, 32),
     "4-bit, float32 pairs (Q4_K)": (range(0, 16), False, True, 32),

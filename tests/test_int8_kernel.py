@@ -1,4 +1,4 @@
-"""GGUF blocks times int8 activations (engine/models/csrc/int8_linear.cpp, gguf_weights "int8"): the
+"""GGUF blocks times int8 activations (engine/kernels/csrc/int8_linear.cpp, gguf_weights "int8"): the
 packed form holds the file's weights exactly, the kernel computes the documented arithmetic (x rounded
 to int8 per 32 values, exact integer dots, float32 scales), a row's result never depends on the rows
 beside it or the thread count, and whole models stay lossless: plain and speculative decoding agree
@@ -25,7 +25,9 @@ def int8_reference(x: torch.Tensor, weight) -> torch.Tensor:
     blocks = x.view(m, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     scale = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a float32 division, as the kernel's (torch's 127.0 / tensor multiplies by a reciprocal: a tie such as
+    # -30.5 then rounds the other way)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(blocks * inv)
     q = weight.q.double()
     so = weight.scale_offset.double()
@@ -48,7 +50,7 @@ def test_kernel_computes_the_int8_arithmetic(kernel, form, with_bias):
     for m in (1, 5, 8, 9, 70):
         x = torch.randn(m, k, generator=gen)
         x[0, :32] = 0.0  # a block of zeros: scale 0
-        out = kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.wide, bias)
+        out = kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.max_code, bias)
         ref = int8_reference(x, weight) + (bias.double() if with_bias else 0)
         # float32 sums of ~K terms: relative to the largest output
         assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), f"m={m}"
@@ -69,7 +71,7 @@ def test_every_target_computes_the_same_bits(form):
     for m in (1, 3, 8, 13):
         x = torch.randn(m, 320, generator=gen) * 3
         outs = {name: cpu_kernels.load(name).ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows,
-                                                               packed.wide, bias) for name in KERNEL_TARGETS}
+                                                               packed.max_code, bias) for name in KERNEL_TARGETS}
         first = outs[KERNEL_TARGETS[0]]
         for name, out in outs.items():
             assert torch.equal(out, first), f"{name} differs from {KERNEL_TARGETS[0]} at m={m}"
@@ -80,16 +82,16 @@ def test_a_row_does_not_depend_on_the_other_rows_or_the_threads(kernel):
     weight = random_weight(*FORMATS["4-bit, float32 pairs (Q4_K)"], 1000, 640, gen)
     packed = Int8Blocks.of(weight)
     x = torch.randn(100, 640, generator=gen)
-    full = kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.wide, None)
+    full = kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.max_code, None)
     for m in (1, 2, 5, 7, 8, 9, 17, 64, 99):
-        part = kernel.ops.int8_linear(x[:m].contiguous(), packed.u, packed.dm, packed.lo, packed.rows, packed.wide, None)
+        part = kernel.ops.int8_linear(x[:m].contiguous(), packed.u, packed.dm, packed.lo, packed.rows, packed.max_code, None)
         assert torch.equal(part, full[:m]), f"rows 0..{m - 1} differ when computed {m} at a time"
-    alone = kernel.ops.int8_linear(x[37:38].contiguous(), packed.u, packed.dm, packed.lo, packed.rows, packed.wide, None)
+    alone = kernel.ops.int8_linear(x[37:38].contiguous(), packed.u, packed.dm, packed.lo, packed.rows, packed.max_code, None)
     assert torch.equal(alone, full[37:38])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.wide, None), full)
+        assert torch.equal(kernel.ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows, packed.max_code, None), full)
     finally:
         torch.set_num_threads(threads)
 
@@ -106,15 +108,17 @@ def test_kernel_refuses_bad_shapes(kernel):
     packed = Int8Blocks.of(random_weight(*FORMATS["int8, float32 pairs"], 16, 64, torch.Generator().manual_seed(0)))
     u, dm = packed.u, packed.dm
     with pytest.raises(RuntimeError, match="does not match x"):
-        kernel.ops.int8_linear(torch.randn(2, 96), u, dm, 0, 16, False, None)
+        kernel.ops.int8_linear(torch.randn(2, 96), u, dm, 0, 16, 255, None)
     with pytest.raises(RuntimeError, match="rows"):
-        kernel.ops.int8_linear(torch.randn(2, 64), u, dm, 0, 17, False, None)
+        kernel.ops.int8_linear(torch.randn(2, 64), u, dm, 0, 17, 255, None)
     with pytest.raises(RuntimeError, match="u must be"):
-        kernel.ops.int8_linear(torch.randn(2, 64), u.flatten(0, 1), dm, 0, 16, False, None)
+        kernel.ops.int8_linear(torch.randn(2, 64), u.flatten(0, 1), dm, 0, 16, 255, None)
     with pytest.raises(RuntimeError, match="dm must be"):
-        kernel.ops.int8_linear(torch.randn(2, 64), u, torch.zeros(1, 2, 3, 16), 0, 16, False, None)
+        kernel.ops.int8_linear(torch.randn(2, 64), u, torch.zeros(1, 2, 3, 16), 0, 16, 255, None)
     with pytest.raises(RuntimeError, match="bias"):
-        kernel.ops.int8_linear(torch.randn(2, 64), u, dm, 0, 16, False, torch.zeros(3))
+        kernel.ops.int8_linear(torch.randn(2, 64), u, dm, 0, 16, 255, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="max_code"):
+        kernel.ops.int8_linear(torch.randn(2, 64), u, dm, 0, 16, 256, None)
 
 
 @needs_kernels

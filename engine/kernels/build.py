@@ -71,7 +71,7 @@ ops = getattr(torch.ops, target.namespace)
 x, w = torch.ones(3, 64), torch.ones(8, 64)
 assert torch.equal(ops.skinny_linear(x, w, None), x @ w.T)
 u, dm = torch.ones(1, 16, 16, 4, dtype=torch.uint8), torch.ones(1, 2, 1, 16)
-assert torch.allclose(ops.int8_linear(x, u, dm, 0, 16, False, None), torch.full((3, 16), 64.0))
+assert torch.allclose(ops.int8_linear(x, u, dm, 0, 16, 1, None), torch.full((3, 16), 64.0))
 """
 
 

@@ -153,7 +153,7 @@ class Int8Blocks:
     lo: int
     rows: int  # N; u and dm hold it rounded up to 16 with zero rows
     cols: int  # K
-    wide: bool = False  # 8-bit codes of 128 and up (Q8_0): the kernel multiplies them signed (its sign trick)
+    max_code: int = 255  # hi - lo, the largest u: without VNNI it decides how the kernel sums its products
 
     @staticmethod
     def of(w: BlockWeight) -> "Int8Blocks":
@@ -175,7 +175,7 @@ class Int8Blocks:
             u = u.view(tiles, TILE, k // 4, 4)
         u = u.transpose(1, 2).contiguous()
         dm = so.view(tiles, TILE, so.shape[1], so.shape[2]).permute(0, 2, 3, 1).contiguous()
-        return Int8Blocks(u, dm, lo, n, k, wide=hi - lo > 127)
+        return Int8Blocks(u, dm, lo, n, k, max_code=hi - lo)
 
     @property
     def four_bit(self) -> bool:

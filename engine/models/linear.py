@@ -94,7 +94,7 @@ class BlockLinear(nn.Module):
         ops, b = self.kernels.ops, self.blocks
         flat = x.reshape(-1, x.shape[-1])
         if isinstance(b, Int8Blocks):
-            out = ops.int8_linear(flat, b.u, b.dm, b.lo, b.rows, b.wide, self.bias)
+            out = ops.int8_linear(flat, b.u, b.dm, b.lo, b.rows, b.max_code, self.bias)
         elif flat.shape[0] <= MAX_ROWS:
             out = ops.block_linear(flat.contiguous(), b.q, b.scale_offset, b.zero, b.rows, self.bias)
         else:  # prefill: the float32 path's own oneDNN call, on this call's dequantized copy

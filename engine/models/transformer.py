@@ -413,7 +413,7 @@ class Transformer(nn.Module):
             for which, linear_layer in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 if isinstance(linear_layer, BlockLinear) and isinstance(linear_layer.blocks, Int8Blocks):
                     blocks = linear_layer.blocks
-                    cpp.set_int8_linear(which, blocks.u, blocks.dm, blocks.lo, blocks.rows, blocks.wide, linear_layer.bias)
+                    cpp.set_int8_linear(which, blocks.u, blocks.dm, blocks.lo, blocks.rows, blocks.max_code, linear_layer.bias)
                     continue
                 any_rows = False  # the kernels below take at most MAX_ROWS rows
                 if isinstance(linear_layer, BlockLinear):

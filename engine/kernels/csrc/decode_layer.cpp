@@ -18,11 +18,11 @@ namespace {
 struct LinearWeights {
   at::Tensor q, scale_offset, dense, u, dm;
   int64_t zero = 0, rows = 0;
-  bool wide = false;
+  int64_t max_code = 255;  // int8 blocks: the largest code of u
   c10::optional<at::Tensor> bias;
   at::Tensor operator()(const at::Tensor& x) const {
     if (dense.defined()) return skinny_linear(x, dense, bias);
-    if (u.defined()) return int8_linear(x, u, dm, zero, rows, wide, bias);
+    if (u.defined()) return int8_linear(x, u, dm, zero, rows, max_code, bias);
     return block_linear(x, q, scale_offset, zero, rows, bias);
   }
 };
@@ -63,12 +63,12 @@ struct DecodeLayer : torch::CustomClassHolder {
   }
 
   // the int8 kernel's blocks (gguf_blocks.Int8Blocks)
-  void set_int8_linear(int64_t which, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows, bool wide,
+  void set_int8_linear(int64_t which, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows, int64_t max_code,
                        const c10::optional<at::Tensor>& bias) {
     TORCH_CHECK(which >= 0 && which < 4, "DecodeLayer: no linear ", which);
     LinearWeights& w = linears[which];
     w = LinearWeights();
-    w.u = u, w.dm = dm, w.zero = lo, w.rows = rows, w.wide = wide, w.bias = bias;
+    w.u = u, w.dm = dm, w.zero = lo, w.rows = rows, w.max_code = max_code, w.bias = bias;
   }
 
   void set_norms(std::vector<at::Tensor> layer_norms, const c10::optional<at::Tensor>& q, const c10::optional<at::Tensor>& k) {

@@ -6,7 +6,8 @@
 // row of x is cut into blocks of 32: s = max|x| / 127, xq = round(x / s). Then per group g of a row
 //   sum_j W_j x_j ~ (d s) * sum_j u_j xq_j + (m + lo d) * (s * sum_j xq_j)
 // where the first sum is exact in int32 (4 products of an unsigned and a signed byte per lane: one
-// vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd; codes of 128 and up by llama.cpp's sign trick) and the
+// vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd, as many products summed in int16 first as the codes'
+// range allows (max_code: the largest u); codes of 128 and up by llama.cpp's sign trick) and the
 // second is computed once per row of x and group. The weights are the file's own, exact;
 // only x is rounded (~0.4% of a block's largest value per element).
 //
@@ -94,7 +95,8 @@ inline I broadcast4(const int8_t* p) { return set1_i(*(const int32_t*)p); }
 
 // 16 weight rows x R rows of x, over all of k; acc lanes are the 16 outputs of each row of x.
 // Wide: 8-bit codes of 128 and up, where dot_u8s8_wide without VNNI needs 128 * sum(xq) added back.
-template <int R, bool Nibbles, bool Wide, int G>
+// S: without VNNI, chunks of 8-bit codes whose products are summed in int16 (1, 2, 4: the codes' range).
+template <int R, bool Nibbles, bool Wide, int S, int G>
 inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, const int8_t* xq, const float* xs,
                       const float* xg, const int32_t* xi, int64_t ldq, int64_t lds, int64_t ldg, const float* bias,
                       float* y, int64_t ldy, int64_t n0) {
@@ -110,6 +112,12 @@ inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, co
     const int64_t k0 = g * G;
     if (Nibbles) {
       const uint8_t* ug = u + (k0 / 8) * TILE * 4;
+      // without VNNI: the group's products summed in int16 (at most 2 * G / 4 pairs of 15 * 127: 30480 for
+      // G = 32), widened to int32 once
+      I sums[R][HALVES];
+      if (!kVnni)
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < HALVES; ++h) sums[r][h] = zero_i();
       for (int64_t c = 0; c < G / 8; ++c) {
         // with several rows the hardware prefetcher falls behind: fetch the next tile's line
         if (R > 1) prefetch(ug + c * TILE * 4 + a.tile_bytes);
@@ -118,10 +126,33 @@ inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, co
           const I wl = low_nibbles(v), wh = high_nibbles(v);
           for (int r = 0; r < R; ++r) {
             const int8_t* xk = xq + r * ldq + k0 + c * 8;
-            dot[r][h] = dot_u8s8(dot[r][h], wl, broadcast4(xk));
-            dot[r][h] = dot_u8s8(dot[r][h], wh, broadcast4(xk + 4));
+            if (kVnni) {
+              dot[r][h] = dot_u8s8(dot[r][h], wl, broadcast4(xk));
+              dot[r][h] = dot_u8s8(dot[r][h], wh, broadcast4(xk + 4));
+            } else {
+              sums[r][h] = add_i16(sums[r][h], add_i16(pair_sums(wl, broadcast4(xk)), pair_sums(wh, broadcast4(xk + 4))));
+            }
           }
         }
+      }
+      if (!kVnni)
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < HALVES; ++h) dot[r][h] = widen_i16(sums[r][h]);
+    } else if (!kVnni && !Wide && S > 1) {
+      // codes below 2^15 / (2 * 127 * S): S chunks' products summed in int16 before widening; each row
+      // reloads the weights from L1 rather than hold S x HALVES of them in registers
+      const uint8_t* ug = u + (k0 / 4) * TILE * 4;
+      for (int64_t c = 0; c < G / 4; c += S) {
+        if (R > 1)
+          for (int s = 0; s < S; ++s) prefetch(ug + (c + s) * TILE * 4 + a.tile_bytes);
+        for (int h = 0; h < HALVES; ++h)
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xk = xq + r * ldq + k0 + c * 4;
+            I t = pair_sums(loadu_i(ug + c * TILE * 4 + h * kLanes * 4), broadcast4(xk));
+            for (int s = 1; s < S; ++s)
+              t = add_i16(t, pair_sums(loadu_i(ug + (c + s) * TILE * 4 + h * kLanes * 4), broadcast4(xk + 4 * s)));
+            dot[r][h] = add_i(dot[r][h], widen_i16(t));
+          }
       }
     } else {
       const uint8_t* ug = u + (k0 / 4) * TILE * 4;
@@ -167,19 +198,19 @@ inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, co
   }
 }
 
-template <bool Nibbles, bool Wide, int G>
+template <bool Nibbles, bool Wide, int S, int G>
 using Int8TileFn = void (*)(const Int8Args&, const uint8_t*, const uint8_t*, const int8_t*, const float*, const float*,
                             const int32_t*, int64_t, int64_t, int64_t, const float*, float*, int64_t, int64_t);
 
-template <bool Nibbles, bool Wide, int G, size_t... R>
-constexpr std::array<Int8TileFn<Nibbles, Wide, G>, MR + 1> int8_tiles(std::index_sequence<R...>) {
-  return {nullptr, int8_tile<R + 1, Nibbles, Wide, G>...};
+template <bool Nibbles, bool Wide, int S, int G, size_t... R>
+constexpr std::array<Int8TileFn<Nibbles, Wide, S, G>, MR + 1> int8_tiles(std::index_sequence<R...>) {
+  return {nullptr, int8_tile<R + 1, Nibbles, Wide, S, G>...};
 }
 
-template <bool Nibbles, bool Wide, int G>
+template <bool Nibbles, bool Wide, int S, int G>
 void run_int8(const Int8Args& a, const at::Tensor& u, const at::Tensor& dm, const QuantizedRows& xr,
               const float* bias, at::Tensor& y) {
-  static constexpr auto tiles_of = int8_tiles<Nibbles, Wide, G>(std::make_index_sequence<MR>{});
+  static constexpr auto tiles_of = int8_tiles<Nibbles, Wide, S, G>(std::make_index_sequence<MR>{});
   const int64_t m = y.size(0), tiles = (a.n + TILE - 1) / TILE;
   const int64_t tile_u = a.tile_bytes, tile_dm = (a.k / G) * (a.offset ? 2 : 1) * TILE * (a.half ? 2 : 4);
   const uint8_t* up = (const uint8_t*)u.data_ptr();
@@ -205,7 +236,7 @@ void run_int8(const Int8Args& a, const at::Tensor& u, const at::Tensor& dm, cons
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows,
-                       bool wide, const c10::optional<at::Tensor>& bias) {
+                       int64_t max_code, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "int8_linear: x must be a float32 [M, K] matrix with unit column stride");
   TORCH_CHECK(u.dim() == 4 && u.is_contiguous() && u.scalar_type() == at::kByte && u.size(2) == TILE && u.size(3) == 4,
@@ -226,20 +257,30 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tenso
                 "int8_linear: bias must be float32 [N]");
     b = bias->data_ptr<float>();
   }
-  wide = wide && !nibbles;
+  TORCH_CHECK(max_code >= 0 && max_code <= 255 && (!nibbles || max_code <= 15),
+              "int8_linear: max_code is the largest code of u (4-bit: at most 15, else 255)");
+  const bool wide = max_code > 127;
   const Int8Args a{rows, k, group, lo, k * TILE / (nibbles ? 2 : 1), nibbles, dm.scalar_type() == at::kHalf,
                    dm.size(2) == 2, wide};
   const at::Tensor xc = x.stride(0) == k ? x : x.contiguous();
   const QuantizedRows xr = quantize_rows(xc, group);
   at::Tensor y = at::empty({x.size(0), rows}, x.options());
   if (x.size(0) == 0) return y;
-  if (nibbles) {
-    group == 16 ? run_int8<true, false, 16>(a, u, dm, xr, b, y) : run_int8<true, false, 32>(a, u, dm, xr, b, y);
-  } else if (wide) {
-    group == 16 ? run_int8<false, true, 16>(a, u, dm, xr, b, y) : run_int8<false, true, 32>(a, u, dm, xr, b, y);
-  } else {
-    group == 16 ? run_int8<false, false, 16>(a, u, dm, xr, b, y) : run_int8<false, false, 32>(a, u, dm, xr, b, y);
-  }
+  // without VNNI: how many chunks of 8-bit codes may sum in int16 (each pair of products is at most
+  // 2 * max_code * 127); with VNNI every product goes to int32 at once
+  const int64_t fits = kVnni || max_code <= 0 ? 1 : 32767 / (254 * max_code);
+  const auto by_group = [&](auto nibbles_, auto wide_, auto s_) {
+    constexpr bool N = decltype(nibbles_)::value, W = decltype(wide_)::value;
+    constexpr int S = decltype(s_)::value;
+    group == 16 ? run_int8<N, W, S, 16>(a, u, dm, xr, b, y) : run_int8<N, W, S, 32>(a, u, dm, xr, b, y);
+  };
+  using yes = std::true_type;
+  using no = std::false_type;
+  if (nibbles) by_group(yes{}, no{}, std::integral_constant<int, 1>{});
+  else if (wide) by_group(no{}, yes{}, std::integral_constant<int, 1>{});
+  else if (fits >= 4) by_group(no{}, no{}, std::integral_constant<int, 4>{});
+  else if (fits >= 2) by_group(no{}, no{}, std::integral_constant<int, 2>{});
+  else by_group(no{}, no{}, std::integral_constant<int, 1>{});
   return y;
 }
 
@@ -247,7 +288,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tenso
 }  // namespace tandem
 
 TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, lib) {
-  lib.def("int8_linear(Tensor x, Tensor u, Tensor dm, int lo, int rows, bool wide, Tensor? bias) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor u, Tensor dm, int lo, int rows, int max_code, Tensor? bias) -> Tensor");
 }
 
 TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, lib) { lib.impl("int8_linear", tandem::TANDEM_ISA::int8_linear); }

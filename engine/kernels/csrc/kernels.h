@@ -15,7 +15,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 
 // int8_linear.cpp: y = x @ W^T + b for any rows, W in blocks, x rounded to int8 per 32 values
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tensor& dm, int64_t lo, int64_t rows,
-                       bool wide, const c10::optional<at::Tensor>& bias);
+                       int64_t max_code, const c10::optional<at::Tensor>& bias);
 
 // decode_ops.cpp: the rest of a decode step's layer
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);

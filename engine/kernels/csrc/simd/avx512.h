@@ -114,6 +114,12 @@ inline I dot_u8s8_wide(I acc, I u, I x) {
 #endif
 }
 
+// The products of u's unsigned and x's signed bytes, summed in pairs into int16 (saturating: callers
+// keep 2 * u * |x| and their int16 sums below 2^15), and int16 pairs summed into int32 lanes.
+inline I pair_sums(I u, I x) { return _mm512_maddubs_epi16(u, x); }
+inline I add_i16(I a, I b) { return _mm512_add_epi16(a, b); }
+inline I widen_i16(I v) { return _mm512_madd_epi16(v, _mm512_set1_epi16(1)); }
+
 // 32 floats, scaled by inv and rounded to the nearest integer (ties to even), into int8 (|v| <= 127)
 // and their int32 values
 inline void round_to_i8(const float* src, F inv, int8_t* dst, int32_t* vals) {
