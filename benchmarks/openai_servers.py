@@ -17,6 +17,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BIN = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "tandem" / "llama.cpp")) / "build" / "bin"
+# --isa: "native" (Tandem's best kernels, llama.cpp built for this CPU) or "avx2" (both on AVX2 only: the
+# stand-in for an x86-64-v3 CPU on a machine with AVX-512; LLAMACPP_ISA=avx2 bash benchmarks/llamacpp_setup.sh)
+BUILDS = {"native": BIN, "avx2": Path.home() / ".cache" / "tandem" / "llama.cpp-avx2" / "build" / "bin"}
+TANDEM_ISA = {"native": {}, "avx2": {"cpu_isa": "avx2"}}
 WORDS = ("the river city market winter light history science music garden engine story people village "
          "harbor mountain letter window morning evening teacher student bridge forest ocean island road "
          "machine season journey kitchen library painting festival farmer merchant lantern").split()
@@ -110,9 +114,9 @@ def start_tandem(args_override: dict, ray_started: list) -> tuple[Server, callab
     return Server("tandem", f"http://127.0.0.1:{port}", app_args["model"]), serve.shutdown
 
 
-def start_llama(gguf: Path, threads: int, extra: list[str]) -> tuple[Server, callable]:
+def start_llama(gguf: Path, threads: int, extra: list[str], isa: str = "native") -> tuple[Server, callable]:
     port = free_port()
-    proc = subprocess.Popen([str(BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([str(BUILDS[isa] / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                              "-t", str(threads), "--metrics", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

