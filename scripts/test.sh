@@ -4,5 +4,10 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 [ -f .venv/.tandem-ready ] || bash scripts/setup.sh
+[ -x .venv/bin/mkdocs ] || .venv/bin/python -m pip install -q -e ".[test,docs]"  # a .venv from before the docs extra
+# The docs site first, strictly: a broken link, a missing page or a stale reference table fails the suite.
+site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 # the 15 slowest tests at the end of every run: the suite must stay well inside CI's 90 minutes
 exec .venv/bin/python -m pytest -q --durations=15 "$@"
