@@ -49,7 +49,7 @@ class ModelWorker:
             config, model = load_sharded(source, dtype, device, rank, world)
             self.model = shard(model, rank, world, group, sliced=True)
         else:
-            config, state = load_state_dict(source)
+            config, state = load_state_dict(source, device, dtype)
             model = build_model(config, state, dtype=dtype, device=device)
             if gguf_weights != "float32" and pack and source.kind == "gguf" and kernels and dtype == torch.float32:
                 # the file's own blocks instead of float32 (~1/3 the bytes)

@@ -369,10 +369,13 @@ def load_sharded(source: ModelSource, dtype: torch.dtype, device: str, rank: int
     return config, model.eval()
 
 
-def load_state_dict(source: ModelSource) -> tuple[object, dict[str, torch.Tensor]]:
-    """(HF config, float32 state dict with HF names)."""
+def load_state_dict(source: ModelSource, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> tuple[object, dict[str, torch.Tensor]]:
+    """(HF config, float32 state dict with HF names); a random model's weights are drawn on `device` in
+    `dtype` (random_checkpoint)."""
     if source.kind == "random":
-        config, _, state = random_checkpoint(source.path, source.seed)
+        config, _, state = random_checkpoint(source.path, source.seed, device=device,
+                                             dtype=torch.float32 if device == "cpu" else dtype)
         return config, state
     directory = _dequantized_dir(Path(source.path)) if source.kind == "gguf" else Path(source.path)
     config = _text_config(directory)

@@ -41,6 +41,13 @@ PRESETS: dict[str, dict] = {
     "llama-1.7b": dict(model_type="llama", vocab_size=49152, hidden_size=2048, num_hidden_layers=24,
                        num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192,
                        initializer_range=0.02, rope_theta=130000.0, tie_word_embeddings=True),
+    # Qwen3-8B and Qwen3-0.6B's shapes: the GPU speed row (benchmarks/gpu_speed.py, scripts/gpu_check.sh)
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                     initializer_range=0.02, rope_theta=1000000.0),
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                       initializer_range=0.02, rope_theta=1000000.0, tie_word_embeddings=True),
 }
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -79,8 +86,12 @@ def char_tokenizer(vocab_size: int):
     return out
 
 
-def random_checkpoint(preset: str, seed: int, config_only: bool = False):
-    """(HF config, tokenizer, state dict) of a random model; weights ~ N(0, initializer_range)."""
+def random_checkpoint(preset: str, seed: int, config_only: bool = False, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32):
+    """(HF config, tokenizer, state dict) of a random model; weights ~ N(0, initializer_range).
+    On another device than the CPU the weights are drawn there, in `dtype`, by that device's generator
+    (an 8B model's 32 GB of float32 drawn on the host would take minutes); the values then differ
+    from the CPU's for the same seed."""
     config = _hf_config(preset)
     tokenizer = char_tokenizer(config.vocab_size)
     if config_only:
@@ -90,18 +101,17 @@ def random_checkpoint(preset: str, seed: int, config_only: bool = False):
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     std = config.initializer_range
     state = {}
     for name, shape in shapes.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
+        noise = torch.randn(shape, generator=gen, device=device, dtype=dtype)
         if name.endswith("norm.weight"):
             # Gemma stores (weight - 1): zero means unit scale; perturb so the offset path is tested
             base = 0.0 if config.model_type.startswith("gemma") else 1.0
-            state[name] = base + 0.1 * torch.randn(shape, generator=gen)
-        elif name.endswith(".bias"):
-            state[name] = std * torch.randn(shape, generator=gen)
+            state[name] = noise.mul_(0.1).add_(base)
         else:
-            state[name] = std * torch.randn(shape, generator=gen)
+            state[name] = noise.mul_(std)
     return config, tokenizer, state
