@@ -9,18 +9,22 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import CpuIsa, Device, Dtype, EngineConfig, GgufWeights, PlacementStrategy, SpeculativeConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 class ServeArgs(BaseModel):
+    """An application's args. A key that is also an engine key (EngineConfig's) means the same there and
+    takes its description from there (docs/reference/serve-args.md); the others describe themselves."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: str
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(default=None, description=(
+        "The model's name in the API (`/v1/models`, a request's `model`). Unset: `model`."))
     tokenizer: str | None = None
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     max_num_seqs: int | None = None  # EngineConfig's: unset, 16 on a CPU and 256 on a GPU
@@ -28,35 +32,47 @@ class ServeArgs(BaseModel):
     max_num_batched_tokens: int | None = None  # EngineConfig's: tokens per step (unset: 256 CPU, 2048 GPU)
     enable_prefix_caching: bool = True  # EngineConfig's
     seed: int = 0
-    device: str = "auto"
+    device: Device = "auto"
     speculative_config: SpeculativeConfig | None = None
-    placement_strategy: str = "PACK"  # EngineConfig's: PACK | STRICT_PACK | SPREAD | STRICT_SPREAD
+    placement_strategy: PlacementStrategy = "PACK"  # EngineConfig's
     disjoint_cores: bool = False  # EngineConfig's: each CPU rank on its own share of the node's cores
-    gguf_weights: str = "int8"  # EngineConfig's: int8 | blocks | float32
+    gguf_weights: GgufWeights = "int8"  # EngineConfig's
     # EngineConfig's CPU knobs; unset: the engine's default, or the TANDEM_* variable the engine reads
     cpu_kernels: bool | None = None  # our C++ kernels (False: oneDNN and PyTorch for everything)
-    cpu_isa: str | None = None  # which build of them: auto | avx512_vnni | avx512 | avx_vnni | avx2 | none
+    cpu_isa: CpuIsa | None = None  # which build of them
     rank_threads: int | None = None  # torch threads per rank
     placement_timeout_s: float | None = None  # how long the groups' placement waits for room (120)
     omp_spin_count: int | None = None  # GOMP_SPINCOUNT of the rank processes (30000)
     # The key: the CLI's --api-key (never from a YAML: Ray logs an application's args), an
     # environment variable's name, or a file. Unset: $TANDEM_API_KEY when that is set, else open.
-    api_key: SecretStr | None = None
-    api_key_env: str | None = None
-    api_key_file: str | None = None
+    api_key: SecretStr | None = Field(default=None, description=(
+        "The API key clients must send as `Authorization: Bearer` on `/v1`, `/tokenize`, `/detokenize`, "
+        "`/tokenizer_info` and gRPC. Only from `tandem serve`: Ray logs an application's args, so "
+        "serve_config.yaml names the key with `api_key_env` or `api_key_file`."))
+    api_key_env: str | None = Field(default=None, description=(
+        "The name of an environment variable that holds the API key. Unset (and no other key): "
+        "`TANDEM_API_KEY` when that is set, else no key is required."))
+    api_key_file: str | None = Field(default=None, description="A file that holds the API key.")
     # gRPC is served from the coordinator on this address (bind it where HTTP binds); None: off.
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int | None = Field(default=9000, ge=0, le=65535)
+    grpc_host: str = Field(default="127.0.0.1", description=(
+        "The address the gRPC server binds; bind it where HTTP binds."))
+    grpc_port: int | None = Field(default=9000, ge=0, le=65535, description=(
+        "The gRPC server's port (0: any free port). `null`: no gRPC server."))
     # several coordinator replicas on one node (num_replicas > 1, autoscaling) share grpc_port
-    grpc_share_port: bool = False
-    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)  # larger bodies: 413
-    max_queued_requests: int = Field(default=64, ge=0)
+    grpc_share_port: bool = Field(default=False, description=(
+        "Let several coordinator replicas on one node (more than one replica, autoscaling) share `grpc_port`."))
+    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024, description=(
+        "The largest request body in bytes (at least 1024); a larger one gets HTTP 413."))
+    max_queued_requests: int = Field(default=64, ge=0, description=(
+        "Requests that may wait for a place in the batch; beyond it a request gets HTTP 429 (queue full)."))
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # EngineConfig's: KV cache share of a GPU
     kv_cache_memory_bytes: int | None = Field(default=None, ge=1)  # EngineConfig's: KV cache bytes per device
     # Custom Ray resources each coordinator replica requires, e.g. {"tandem_coordinator": 1} with the
     # head node started with that resource: the replicas (and so their gRPC servers) stay on the
     # node the gRPC Service reaches; their model groups are placed anywhere.
-    coordinator_resources: dict[str, float] | None = None
+    coordinator_resources: dict[str, float] | None = Field(default=None, description=(
+        "Custom Ray resources each coordinator replica requires, e.g. `{\"tandem_coordinator\": 1}`, to keep "
+        "the replicas (and their gRPC servers) on the nodes that have them. Not `CPU` or `GPU`."))
 
     @field_validator("coordinator_resources")
     @classmethod

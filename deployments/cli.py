@@ -26,6 +26,11 @@ def apply_serve_env_defaults(environ=os.environ) -> None:
 
 
 def serve_parser() -> argparse.ArgumentParser:
+    """`tandem serve`'s flags. A flag's dest is the serve arg (ServeArgs) it sets, but for the few
+    deployments/reference.py lists as CLI-only; docs/reference/cli.md is generated from this parser."""
+    from typing import get_args
+
+    from engine.config import Device, Dtype, GgufWeights, PlacementStrategy
     from engine.kernels.targets import CPU_ISA_CHOICES
 
     p = argparse.ArgumentParser(prog="tandem serve", description="Serve MODEL with an OpenAI-compatible API.")
@@ -33,11 +38,13 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON object, e.g. \'{"model": "HuggingFaceTB/SmolLM2-135M-Instruct", '
                         '"num_speculative_tokens": 3, "use_heterogeneous_vocab": true}\'')
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address HTTP and gRPC bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--tokenizer", default=None, help="tokenizer to load (default: the model's own)")
+    p.add_argument("--seed", type=int, default=0, help="the engine's random seed (a request's seed wins for it)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="the target's tensor parallelism")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt plus output (default: the model's limit, or what the KV cache holds)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences decoding at once (default 16 on a CPU, 256 on a GPU)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default 16)")
@@ -46,14 +53,17 @@ def serve_parser() -> argparse.ArgumentParser:
                         "(default 256 on a CPU, 2048 on a GPU)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share cached blocks of a common prompt prefix between requests (default on)")
-    p.add_argument("--max-queued-requests", type=int, default=64)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"],
+    p.add_argument("--max-queued-requests", type=int, default=64,
+                   help="requests that may wait for a place in the batch; beyond it: HTTP 429")
+    p.add_argument("--dtype", default="auto", choices=list(get_args(Dtype)),
+                   help="weights' and activations' dtype (auto: float32 on a CPU, bfloat16 on a GPU)")
+    p.add_argument("--device", default="auto", choices=list(get_args(Device)),
+                   help="where the models run (auto: a GPU when there is one)")
+    p.add_argument("--placement-strategy", default="PACK", choices=list(get_args(PlacementStrategy)),
                    help="how Ray places the model groups' ranks on a multi-node cluster")
     p.add_argument("--disjoint-cores", action="store_true", default=None,
                    help="CPU: pin each rank of both groups to its own share of the node's cores")
-    p.add_argument("--gguf-weights", default=None, choices=["int8", "blocks", "float32"],
+    p.add_argument("--gguf-weights", default=None, choices=list(get_args(GgufWeights)),
                    help="CPU, GGUF models: the file's blocks times int8 activations (default, VNNI), the blocks in float32 "
                         "(bit-identical to float32), or dequantized float32 copies")
     p.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
@@ -72,7 +82,7 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="share of each GPU for weights and KV cache (default 0.9); the KV cache gets what is left")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache bytes per device (unset: gpu-memory-utilization on a GPU, 4 GiB on a CPU)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 and gRPC (visible in ps: prefer "
                         "$TANDEM_API_KEY or --api-key-file)")

@@ -25,38 +25,69 @@ MAX_LOGIT_BIAS = 300  # OpenAI's
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing logits by it overflows to NaN).
 SAMPLING_EPS = 1e-5
 
+# The choices of the engine keys that take one of a few names; ServeArgs and the CLI use the same ones.
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+PlacementStrategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
+GgufWeights = Literal["int8", "blocks", "float32"]
+CpuIsa = Literal["auto", "avx512_vnni", "avx512", "avx_vnni", "avx2", "none"]  # engine/kernels/targets.py
+
 
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["draft_model"] | None = None
-    model: str | None = None
-    num_speculative_tokens: int = Field(gt=0)
-    draft_tensor_parallel_size: int | None = Field(default=None, ge=1)
-    max_model_len: int | None = Field(default=None, ge=1)
-    parallel_drafting: bool = False
-    rejection_sample_method: Literal["standard", "synthetic", "block"] = "standard"
-    synthetic_acceptance_rates: list[float] | None = None
-    synthetic_acceptance_length: float | None = None
-    use_heterogeneous_vocab: bool = False
-    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    method: Literal["draft_model"] | None = Field(default=None, description=(
+        "The speculative method; only `draft_model` (an independent draft model). Inferred when `model` is given."))
+    model: str | None = Field(default=None, description=(
+        "The draft model, in the same forms as the target's: a Hugging Face id, a local directory, a `.gguf` "
+        "file or `random:<preset>`."))
+    num_speculative_tokens: int = Field(gt=0, description=(
+        "K, the tokens the draft proposes per step (> 0). With `adaptive`, the most a step proposes."))
+    draft_tensor_parallel_size: int | None = Field(default=None, ge=1, description=(
+        "The draft's tensor parallelism: 1 or the target's `tensor_parallel_size`. Unset: the target's."))
+    max_model_len: int | None = Field(default=None, ge=1, description=(
+        "Caps the context length; not above either model's limit."))
+    parallel_drafting: bool = Field(default=False, description=(
+        "PARD: one draft forward proposes all K tokens (the context plus K-1 mask tokens). Needs a draft "
+        "trained for it that names its mask token in its config.json."))
+    rejection_sample_method: Literal["standard", "synthetic", "block"] = Field(default="standard", description=(
+        "`standard`: lossless rejection sampling. `block`: lossless block verification (accepts at least as "
+        "much). `synthetic`: a fixed acceptance for benchmarks; not exact."))
+    synthetic_acceptance_rates: list[float] | None = Field(default=None, description=(
+        "Synthetic mode only: K non-increasing unconditional acceptance rates (entry i: the probability that "
+        "the first i+1 drafts are all accepted)."))
+    synthetic_acceptance_length: float | None = Field(default=None, description=(
+        "Synthetic mode only, instead of the rates: a mean acceptance length in [1, K+1], resolved to the "
+        "minimum-variance schedule (2.6 at K=3: [1.0, 0.6, 0.0])."))
+    use_heterogeneous_vocab: bool = Field(default=False, description=(
+        "Token-Level Intersection (TLI): lets the draft have another tokenizer and vocabulary than the target."))
+    draft_sample_method: Literal["greedy", "probabilistic"] = Field(default="greedy", description=(
+        "`greedy`: the draft proposes its argmax. `probabilistic`: it samples, and verification runs the full "
+        "ratio test."))
     # Tandem's extension: choose each request's K per step in [0, num_speculative_tokens] from
     # measured costs and its running acceptance (engine/adaptive.py); 0 is plain decoding.
-    adaptive: bool = False
+    adaptive: bool = Field(default=False, description=(
+        "Tandem's extension: choose each request's K every step in [0, `num_speculative_tokens`] from measured "
+        "step costs and the request's acceptance; K=0 is plain decoding."))
     # Tandem's extension (PEARL-style post-verify): while the target verifies a block, the draft group
     # drafts the next one, assuming the block is accepted whole and the target's bonus token equals
     # the next draft; when it is, the next step verifies at once, else that block is discarded (the
     # draft's cache rolls back) and the row drafts afresh. Off by default: it pays only when the
     # groups run on their own devices (GPUs, or disjoint cores: EngineConfig.disjoint_cores); on
     # shared cores the two forwards slow each other and the engine falls back to sequential steps.
-    draft_ahead: bool = False
+    draft_ahead: bool = Field(default=False, description=(
+        "Tandem's extension: the draft drafts the next block while the target verifies this one. Pays only "
+        "when the two groups run on their own devices (GPUs, or `disjoint_cores` on a CPU); needs "
+        "`draft_placement` `separate`."))
     # Tandem's extension: where the draft group runs. "separate": actors of its own, one device per
     # rank (extra devices; what draft_ahead overlaps). "colocated": each draft rank inside a target
     # rank's actor, on its device, sharing its torch.distributed group (as vLLM runs a draft;
     # draft_tensor_parallel_size 1 puts the whole draft on the target's rank 0). "auto" (default):
     # colocated on GPUs, so one GPU can speculate; separate on CPU, where both share the cores
     # either way and separate actors let draft_ahead overlap them on disjoint cores.
-    draft_placement: Literal["auto", "separate", "colocated"] = "auto"
+    draft_placement: Literal["auto", "separate", "colocated"] = Field(default="auto", description=(
+        "Tandem's extension: `separate` (the draft on actors and devices of its own), `colocated` (each draft "
+        "rank inside a target rank's actor, on its device), `auto` (colocated on GPUs, separate on a CPU)."))
 
     @model_validator(mode="before")
     @classmethod
@@ -142,75 +173,103 @@ class SpeculativeConfig(BaseModel):
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str
-    tokenizer: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int | None = Field(default=None, ge=1)
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    model: str = Field(description=(
+        "The target model: a Hugging Face id, a local Hugging Face directory, a `.gguf` file, or "
+        "`random:<preset>` (random weights, for tests)."))
+    tokenizer: str | None = Field(default=None, description="The tokenizer to load. Unset: the model's own.")
+    dtype: Dtype = Field(default="auto", description=(
+        "The weights' and activations' dtype. `auto`: float32 on a CPU, bfloat16 on a GPU."))
+    max_model_len: int | None = Field(default=None, ge=1, description=(
+        "The longest sequence (prompt plus output). Unset: the model's limit, lowered to what the KV cache holds."))
+    tensor_parallel_size: int = Field(default=1, ge=1, description="The target's tensor parallelism (ranks).")
     # The batch bound (sequences decoding at once). Unset: 16 on a CPU (two cores gain little past
     # that; each more row costs a verify's rows) and 256 on a GPU (vLLM's default).
-    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_seqs: int | None = Field(default=None, ge=1, description=(
+        "Sequences decoding at once (the batch bound). Unset: 16 on a CPU, 256 on a GPU."))
     # Paged KV cache (engine/kv/): tokens per block, a power of two (vLLM's default 16), and automatic
     # prefix caching (on, as in vLLM v1): full blocks of committed tokens are shared between requests
     # with the same token chain (and cache_salt).
-    block_size: int = Field(default=16, ge=1, le=256)
+    block_size: int = Field(default=16, ge=1, le=256, description=(
+        "Tokens per KV cache block; a power of two up to 256."))
     # Tokens one step computes in each model (vLLM's max_num_batched_tokens): the decoding rows' K+1
     # verify tokens first, then prefill chunks of admitted prompts with what is left, so a long prompt
     # is prefilled over several steps while the running streams go on. Unset: 256 on a CPU (Gemma 3
     # 270M prefills ~640 tokens/s on 2 cores: a chunk pauses the running streams ~0.4-0.5 s; smaller
     # chunks pause them less but cost a long prompt's TTFT more, benchmarks/stall_bench.py), 2048 on
     # a GPU (vLLM's default for online serving).
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    distributed_executor_backend: Literal["mp", "ray"] | None = None
+    max_num_batched_tokens: int | None = Field(default=None, ge=1, description=(
+        "Tokens one step computes per model: the decoding rows' verify tokens first, then prefill chunks. "
+        "Unset: 256 on a CPU, 2048 on a GPU."))
+    enable_prefix_caching: bool = Field(default=True, description=(
+        "Share the KV cache blocks of a common prompt prefix between requests (and their `cache_salt`)."))
+    seed: int = Field(default=0, description="The engine's random seed (a request's own `seed` wins for it).")
+    device: Device = Field(default="auto", description="Where the models run. `auto`: a GPU when there is one.")
+    distributed_executor_backend: Literal["mp", "ray"] | None = Field(default=None, description=(
+        "`ray`: the model groups run as Ray actors, as in serving. Unset (or `mp`): in this process, unless a "
+        "tensor parallelism above 1 needs Ray."))
     # How Ray places the ranks of both groups (one placement group, one bundle per rank, target's
     # first): PACK fills a node before the next (the default: tensor parallelism wants one node's
     # interconnect); STRICT_PACK refuses to leave one node; SPREAD / STRICT_SPREAD put consecutive
     # ranks on different nodes (a draft on a node of its own: target TP 1 + draft TP 1, STRICT_SPREAD).
-    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    placement_strategy: PlacementStrategy = Field(default="PACK", description=(
+        "How Ray places the ranks of both groups on a cluster: `PACK` fills a node first, `STRICT_PACK` keeps "
+        "them on one node, `SPREAD` and `STRICT_SPREAD` put consecutive ranks on different nodes."))
     # CPU only: pin each rank of both groups to its own share of the node's cores (rank i of R gets
     # cores [i*n/R, (i+1)*n/R)), as if each ran on its own device. Without it every rank uses every
     # core (the groups take turns). Draft-ahead overlaps the groups only when this is on.
-    disjoint_cores: bool = False
+    disjoint_cores: bool = Field(default=False, description=(
+        "CPU: pin each rank of both groups to its own share of the node's cores, as if each had its own "
+        "device. Off: every rank uses every core."))
     # CPU, a .gguf model (or an embedded one): how its quantized tensors are held and multiplied.
     # "int8": the file's blocks, multiplied by activations rounded to int8 per 32 values with integer
     # dot products (VNNI's vpdpbusd, else AVX2's vpmaddubsw, as llama.cpp does; the same bits on every
     # target): the fastest; logits off float32's by up to ~1.6 of ~40, mean KL ~1e-2 (README). "blocks": the same
     # blocks rebuilt in registers to float32, outputs bit-identical to "float32" (their dequantized
     # copies, in about a third of the memory). "float32": the reference.
-    gguf_weights: Literal["int8", "blocks", "float32"] = "int8"
+    gguf_weights: GgufWeights = Field(default="int8", description=(
+        "CPU, a GGUF model: `int8` multiplies the file's blocks by int8 activations (fastest), `blocks` rebuilds "
+        "them to float32 in registers (bit-identical to `float32`), `float32` holds dequantized copies."))
     # KV cache sizing (engine/memory.py): after the weights load, each GPU's caches get this share
     # of the device less what is in use; kv_cache_memory_bytes, when set, is the byte budget per
     # device instead (on a CPU, unset: 4 GiB, vLLM's CPU default). The blocks that fit are shared by
     # all sequences; a cache too small for one max_model_len sequence lowers a defaulted
     # max_model_len to what fits (with a warning) and refuses an explicit one.
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
-    speculative_config: SpeculativeConfig | None = None
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description=(
+        "The share of each GPU for the weights and the KV cache; the KV cache gets what the weights leave."))
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1, description=(
+        "KV cache bytes per device, instead of `gpu_memory_utilization`. Unset on a CPU: 4 GiB."))
+    speculative_config: SpeculativeConfig | None = Field(default=None, description=(
+        "The draft model and how it speculates (see the speculative config keys). Unset: plain decoding."))
     # CPU only. Our C++ kernels (csrc/): small-row linears (decode and verify steps, GGUF blocks), the
     # decode layer's ops, the grammar-mask apply. False turns all of them off: every linear on oneDNN,
     # a GGUF model's quantized tensors held as float32 (the blocks need the kernel), masks in PyTorch.
     # A machine that can't build or run them falls back the same way by itself.
-    cpu_kernels: bool = True
+    cpu_kernels: bool = Field(default=True, description=(
+        "CPU: our C++ kernels (small-row linears, GGUF blocks, the decode layer's ops, grammar masks). False: "
+        "oneDNN and PyTorch for everything, a GGUF model's tensors held as float32."))
     # CPU only: which build of the kernels (engine/kernels/targets.py): "auto" the best this CPU runs (its
     # CPUID flags, then a process that builds and runs it; none where the CPU has no AVX2: PyTorch, with a
     # log line), or one by name: "avx512_vnni", "avx512", "avx_vnni", "avx2" (e.g. the AVX2 build on an
     # AVX-512 machine, to test or measure it; refused where the CPU lacks it), or "none" (= cpu_kernels
     # False). The int8 kernel gives the same bits on every target; float32 ops may differ in the last bits.
-    cpu_isa: Literal["auto", "avx512_vnni", "avx512", "avx_vnni", "avx2", "none"] = "auto"
+    cpu_isa: CpuIsa = Field(default="auto", description=(
+        "CPU: which build of the kernels. `auto`: the best this CPU runs; a name forces one (refused where the "
+        "CPU lacks it); `none`: the same as `cpu_kernels` false."))
     # CPU only: torch threads per rank. Unset: the node's cores over the ranks of one group (the
     # groups take turns on the same cores). Set it where other work shares the node (several
     # replicas on one node: each would otherwise take every core).
-    rank_threads: int | None = Field(default=None, ge=1)
+    rank_threads: int | None = Field(default=None, ge=1, description=(
+        "CPU: torch threads per model rank. Unset: the node's cores over a group's ranks."))
     # How long the model groups' placement waits for the Ray cluster to have room (at start and on
     # a restart), seconds; then the engine fails with what it asked for.
-    placement_timeout_s: float = Field(default=120.0, ge=0)
+    placement_timeout_s: float = Field(default=120.0, ge=0, description=(
+        "Seconds the model groups wait for the Ray cluster to have room (at start and on a restart) before "
+        "the engine fails."))
     # GOMP_SPINCOUNT of the rank processes (CPU): how long an idle OpenMP thread spins before it
     # sleeps. 30k spins here cost 1.05x a step against the default's 1.18x and PASSIVE's 1.4x (the
     # step's kernels are many short parallel regions).
-    omp_spin_count: int = Field(default=30000, ge=0)
+    omp_spin_count: int = Field(default=30000, ge=0, description=(
+        "CPU: `GOMP_SPINCOUNT` of the rank processes, how long an idle OpenMP thread spins before it sleeps."))
 
     # The environment may set these (read once, here: actors get the config, not the variables);
     # a value given in the config wins.
