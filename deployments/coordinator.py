@@ -7,7 +7,6 @@ and streams deltas. Nothing here computes a token.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -74,12 +73,10 @@ class Coordinator:
         if problem is not None:  # Serve replaces this replica (and with it, its model groups)
             raise RuntimeError(problem)
 
-    async def __del__(self):
-        # async: Serve awaits it on the replica's event loop, which goes on serving while gRPC calls
-        # in flight finish (GrpcServer.stop)
+    def __del__(self):
         try:
             if self.grpc is not None:
-                await self.grpc.stop(GRACE_S)
-            await asyncio.to_thread(self.engine.shutdown)
+                self.grpc.stop(GRACE_S)
+            self.engine.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass

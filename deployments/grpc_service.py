@@ -100,8 +100,6 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
     def __init__(self, engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None):
         self.engine, self.args, self.api_key = engine, args, api_key
         self.layer = RequestLayer(engine, args.model_name, args.model)
-        self.draining = False  # set by GrpcServer.stop: new generate calls are refused (UNAVAILABLE)
-        self.active = 0  # generate calls admitted and not yet ended (changed on the server's loop only)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:  # noqa: N802
         rid = f"grpc-{uuid.uuid4().hex}"
@@ -182,17 +180,9 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
                                "authentication_error")
 
     async def _prepare(self, request: pb.GenerateRequest, context, rid: str) -> PreparedRequest:
-        if self.draining:
-            raise RequestError(503, "this server is shutting down: retry the call")
         self._authenticate(context)
         kind, body = request_body(request)
-        prepared = await self.layer.prepare_async(kind, body, rid)
-        self.active += 1  # until the call ends, however it ends: GrpcServer.stop waits for these
-        context.add_done_callback(lambda _: self._ended())
-        return prepared
-
-    def _ended(self) -> None:
-        self.active -= 1
+        return await self.layer.prepare_async(kind, body, rid)
 
 
 async def _abort(context, error: RequestError, request_id: str) -> None:
@@ -259,17 +249,7 @@ class GrpcServer:
         self._ready.set()
         await self._server.wait_for_termination()
 
-    async def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 5.0) -> None:
         """Refuse new calls; let those in flight finish for up to grace_s (a replica being drained)."""
         if self._server is not None and self._loop.is_running():
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._drain(grace_s), self._loop))
-
-    async def _drain(self, grace_s: float) -> None:
-        # The grace is counted here, not by grpc: grpc.aio's stop(grace) on a server whose loop is not
-        # the main thread's waits out the whole grace even with nothing in flight (30 s on every
-        # replica shutdown and redeploy); stop(0) once our calls have ended returns at once.
-        self._servicer.draining = True
-        deadline = self._loop.time() + grace_s
-        while self._servicer.active and self._loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        await self._server.stop(0)
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(grace_s + 5)
