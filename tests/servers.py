@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -35,17 +36,27 @@ def owned_by_session(port: int, session_leader: int | None = None) -> bool:
     return conn is not None and os.getsid(conn.pid) == expected
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 420.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 420.0,
+                 log: Path | None = None) -> None:
+    """Wait until `url` answers 200. On failure the message carries the tail of the server's `log`
+    (its stdout and stderr), so a CI run that failed says why."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert proc is None or proc.poll() is None, "the server exited early"
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the server exited early (rc {proc.returncode}){_tail(log)}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise AssertionError(f"{url} did not become healthy in {timeout_s:.0f} s")
+    raise AssertionError(f"{url} did not become healthy in {timeout_s:.0f} s{_tail(log)}")
+
+
+def _tail(log: Path | None, chars: int = 6000) -> str:
+    if log is None or not log.exists():
+        return ""
+    return "\n--- the server's output, last lines ---\n" + log.read_text(errors="replace")[-chars:]
 
 
 @contextlib.contextmanager

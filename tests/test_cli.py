@@ -71,11 +71,13 @@ def test_tandem_serve_serves_http_and_grpc_with_a_key_that_never_reaches_a_log()
     port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(TANDEM_API_KEY=secret, RAY_TMPDIR=str(tmp_path))  # Ray's logs in a folder we can search
-    proc = subprocess.Popen([TANDEM, "serve", "random:tiny-llama", "--host", "127.0.0.1", "--port", str(port),
-                             "--grpc-port", str(grpc_port), "--max-model-len", "128"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([TANDEM, "serve", "random:tiny-llama", "--host", "127.0.0.1", "--port", str(port),
+                                 "--grpc-port", str(grpc_port), "--max-model-len", "128"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout_s=300)
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout_s=300, log=log)
         assert owned_by_session(port, proc.pid) and owned_by_session(grpc_port, proc.pid)  # ours
         assert listener(grpc_port).laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1")  # gRPC binds where HTTP binds
         url = f"http://127.0.0.1:{port}/v1/completions"

@@ -4,6 +4,7 @@ official openai client, raw HTTP and gRPC.
 The config is the shipped file with only its two ports moved to free ones, and the test checks that
 the processes answering on them belong to the `serve run` it started (a server already on 8000
 must not be tested in its place)."""
+import dataclasses
 import os
 import signal
 import subprocess
@@ -24,27 +25,34 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 
-HTTP_PORT, GRPC_PORT = free_port(), free_port()
-BASE = f"http://127.0.0.1:{HTTP_PORT}"
+@dataclasses.dataclass(frozen=True)
+class Server:
+    base: str  # http://127.0.0.1:PORT
+    grpc_port: int
 
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # ports are taken now, not at collection: a port free at collection can be another process's an
+    # hour of tests later
+    http_port, grpc_port = free_port(), free_port()
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    config["http_options"]["port"] = HTTP_PORT
-    config["applications"][0]["args"]["grpc_port"] = GRPC_PORT
-    path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
+    config["http_options"]["port"] = http_port
+    config["applications"][0]["args"]["grpc_port"] = grpc_port
+    folder = tmp_path_factory.mktemp("serve")
+    path, log = folder / "serve_config.yaml", folder / "serve.log"
     path.write_text(yaml.safe_dump(config))
     serve_bin = Path(sys.executable).parent / "serve"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local cluster
-    proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_healthy(f"{BASE}/health", proc)
-        assert owned_by_session(HTTP_PORT, proc.pid), "another process answers on the HTTP port"
-        assert owned_by_session(GRPC_PORT, proc.pid), "another process answers on the gRPC port"
-        yield proc
+        wait_healthy(f"http://127.0.0.1:{http_port}/health", proc, log=log)
+        assert owned_by_session(http_port, proc.pid), "another process answers on the HTTP port"
+        assert owned_by_session(grpc_port, proc.pid), "another process answers on the gRPC port"
+        yield Server(f"http://127.0.0.1:{http_port}", grpc_port)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -56,7 +64,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(api_key="EMPTY", base_url=f"{BASE}/v1")
+    return openai.OpenAI(api_key="EMPTY", base_url=f"{server.base}/v1")
 
 
 def test_seed_client_snippet(client):
@@ -139,15 +147,15 @@ def test_json_schema_and_tool_calls_on_the_default_app(client):
     jsonschema.validate(json.loads(tool_call.function.arguments), PERSON)
 
 
-def test_tokenized_prompt_completes_as_the_text_with_one_bos(client):
+def test_tokenized_prompt_completes_as_the_text_with_one_bos(server, client):
     """A remote-tokenizer client (lm-evaluation-harness's) reads /tokenizer_info, tokenizes through
     /tokenize and sends token ids: it gets the text's greedy completion, with Gemma's BOS once."""
-    info = httpx.get(f"{BASE}/tokenizer_info").json()
+    info = httpx.get(f"{server.base}/tokenizer_info").json()
     assert info["tokenizer_class"] and info["eos_token"] == "<eos>" and info["add_bos_token"] is True
 
     def tokenize(text: str, special: bool) -> list[int]:
         body = {"model": GEMMA3, "prompt": text, "add_special_tokens": special}
-        return httpx.post(f"{BASE}/tokenize", json=body).json()["tokens"]
+        return httpx.post(f"{server.base}/tokenize", json=body).json()["tokens"]
 
     [bos] = tokenize(info["bos_token"], False)
     text = "The capital of France is"
@@ -168,8 +176,8 @@ def expect_error(response: httpx.Response, status: int, type_: str | None = None
         assert body["error"]["type"] == type_
 
 
-def test_bad_inputs_get_openai_errors_and_server_keeps_serving(client):
-    url = f"{BASE}/v1/completions"
+def test_bad_inputs_get_openai_errors_and_server_keeps_serving(server, client):
+    url = f"{server.base}/v1/completions"
     ok = {"model": GEMMA3, "prompt": "Hello", "max_tokens": 4}
     expect_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
     expect_error(httpx.post(url, json={**ok, "temperature": -1}), 400, "invalid_request_error")
@@ -178,30 +186,30 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(client):
     expect_error(httpx.post(url, json={**ok, "prompt": 42}), 400)
     expect_error(httpx.post(url, json={**ok, "model": "gpt-4"}), 404)
     expect_error(httpx.post(url, json={**ok, "prompt": "word " * 40000}), 400)  # past Gemma's 32768 tokens
-    expect_error(httpx.post(f"{BASE}/v1/chat/completions", json={"model": GEMMA3, "messages": []}), 400)
+    expect_error(httpx.post(f"{server.base}/v1/chat/completions", json={"model": GEMMA3, "messages": []}), 400)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
     assert client.completions.create(model=GEMMA3, prompt="Hello", max_tokens=4).choices[0].text
 
 
-def test_health_and_metrics(client):
-    assert httpx.get(f"{BASE}/health").json() == {"status": "ok"}
+def test_health_and_metrics(server, client):
+    assert httpx.get(f"{server.base}/health").json() == {"status": "ok"}
     client.completions.create(model=GEMMA3, prompt="Count: one, two,", max_tokens=16, temperature=0)
-    text = httpx.get(f"{BASE}/metrics").text
+    text = httpx.get(f"{server.base}/metrics").text
     assert "tandem:spec_decode_num_drafts_total" in text
     drafts = [float(line.split()[-1]) for line in text.splitlines()
               if line.startswith("tandem:spec_decode_num_drafts_total")]
     assert drafts and drafts[0] > 0
 
 
-def test_grpc_matches_http(client):
+def test_grpc_matches_http(server, client):
     import grpc
 
     from tandem_proto import tandem_pb2 as pb
     from tandem_proto import tandem_pb2_grpc
 
     http = client.completions.create(model=GEMMA3, prompt="The sky is", max_tokens=16, temperature=0)
-    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = tandem_pb2_grpc.TandemServiceStub(channel)
         reply = stub.Generate(pb.GenerateRequest(model=GEMMA3, prompt="The sky is", max_tokens=16, temperature=0))
     assert reply.text == http.choices[0].text
