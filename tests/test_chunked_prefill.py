@@ -129,17 +129,21 @@ def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(mode
     """On the int8 kernel (the default) every forward runs the per-row C++ layers, so a token's keys
     and values are the same whatever chunk it came in: budgets of 5 (the decode path's row counts),
     16 and 17 (around the old 16-row switch to PyTorch attention), 100 and one chunk of 300."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    kv = {}
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    kv, steps = {}, {}
     for budget in (4096, 5, 16, 17, 100):
         llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=budget, enable_prefix_caching=False,
                   cpu_isa=cpu_isa)
         assert llm.executor.target.worker.model.layers_take_any_rows
         prompt = prompt_of(llm, 300)["prompt_token_ids"]
         seq = llm.scheduler.add("r", None, prompt, params)
-        while seq.prefilling:
+        steps[budget] = 0
+        while not seq.output_ids:  # the first token comes from the step of the last chunk
             llm.scheduler.step()
+            steps[budget] += 1
         kv[budget] = _prompt_kv(llm, seq, len(prompt))
+    assert steps == {b: -(-299 // b) for b in steps}  # the prompt but its last token, in chunks of the budget
+    assert all(k.abs().sum() > 0 for k in kv[4096])  # written: the comparison is not of empty blocks
     for budget, got in kv.items():
         assert all(torch.equal(a, b) for a, b in zip(got, kv[4096])), budget
 

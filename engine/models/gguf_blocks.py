@@ -348,15 +348,15 @@ def _bits_equal(a: Tensor, b: Tensor) -> bool:
 def read_block_weights(path: Path, state: dict[str, Tensor], config) -> dict[str, BlockWeight]:
     """The GGUF file's quantized 2-D tensors as BlockWeights under their HF names, each one
     bit-identical (dequantized) to its float32 copy in `state`; any other stays float32."""
-    from gguf import GGUFReader
+    from engine.models.gguf_file import read_tensors
 
     blocks: dict[str, BlockWeight] = {}
     kept: list[str] = []
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in read_tensors(path):
         name = hf_name(tensor.name)
-        if name is None or name not in state or tensor.tensor_type.name not in DECODERS:
+        if name is None or name not in state or tensor.type_name not in DECODERS:
             continue
-        decoded = decode(np.asarray(tensor.data), tensor.tensor_type.name)
+        decoded = decode(tensor.data, tensor.type_name)
         for order in _row_orders(name, decoded.shape[0], config):
             candidate = decoded if order is None else BlockWeight(
                 decoded.q[order].contiguous(), decoded.scale_offset[order].contiguous(), decoded.group)

@@ -304,13 +304,28 @@ def eos_token_ids(tokenizer, hf_config) -> set[int]:
 
 
 def load_tokenizer(source: ModelSource, name_override: str | None = None):
-    from transformers import AutoTokenizer
-
     if name_override:
         return load_tokenizer(resolve_model(name_override))
     if source.kind == "random":
         return random_checkpoint(source.path, source.seed, config_only=True)[1]
     directory = _dequantized_dir(Path(source.path)) if source.kind == "gguf" else Path(source.path)
+    return _tokenizer_of(str(directory), _files_stamp(directory))
+
+
+def _files_stamp(directory: Path) -> tuple:
+    """What the directory's files are now (names, sizes, mtimes): a cached tokenizer of a directory
+    whose files changed is not reused."""
+    return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory)
+                        if e.is_file()))
+
+
+@lru_cache(maxsize=4)
+def _tokenizer_of(directory: str, stamp: tuple):
+    """One tokenizer per directory in a process (~3 s to build for Gemma's 262k tokens; an engine
+    loads it for its core and each in-process model group). Shared read-only: nothing of ours sets
+    a tokenizer's state after this, and no call asks for truncation or padding (which would)."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if not getattr(tokenizer, "chat_template", None) and "<start_of_turn>" in tokenizer.get_vocab():
         tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
