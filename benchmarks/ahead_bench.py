@@ -44,12 +44,12 @@ class StepTimes:
 
     def __init__(self, llm: LLM):
         self.llm, self.rows = llm, {True: [], False: [], None: []}
-        executor, step = llm.executor, llm.executor.step
+        executor, step = llm.core.executor, llm.core.executor.step
 
         def timed(verify, draft, ahead=None):
             start = time.perf_counter()
             out = step(verify, draft, ahead)
-            policy = llm.scheduler.ahead_policy
+            policy = llm.core.scheduler.ahead_policy
             self.rows[policy.fixed if policy is not self.auto else None].append(
                 (out.draft_elapsed_s, out.elapsed_s, out.ahead.elapsed_s if out.ahead is not None else 0.0,
                  time.perf_counter() - start, draft is not None))
@@ -62,7 +62,7 @@ def run_pair(target: str, spec: dict, prompts: list[str], max_tokens: int, tempe
     llm = LLM(model=target, max_model_len=512, max_num_seqs=1, distributed_executor_backend="ray",
               disjoint_cores=True, speculative_config={**spec, "draft_ahead": True})
     times = StepTimes(llm)
-    llm.scheduler.ahead_policy = AheadPolicy(fixed=False)
+    llm.core.scheduler.ahead_policy = AheadPolicy(fixed=False)
     llm.generate(prompts[0], SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True))  # warm-up
     times.rows = {True: [], False: [], None: []}
     totals = {True: [0, 0.0, 0], False: [0, 0.0, 0], None: [0, 0.0, 0]}  # tokens, seconds, steps
@@ -75,7 +75,7 @@ def run_pair(target: str, spec: dict, prompts: list[str], max_tokens: int, tempe
         # prompt's turns take the same rounds and their ratio is all timing, not the luck of the draw
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=1000 + i)
         for mode in modes[i % 3:] + modes[: i % 3]:
-            llm.scheduler.ahead_policy = times.auto if mode is None else AheadPolicy(fixed=mode)
+            llm.core.scheduler.ahead_policy = times.auto if mode is None else AheadPolicy(fixed=mode)
             before = len(times.rows[mode])
             start = time.perf_counter()
             out = llm.generate(prompt, params)[0].outputs[0]
@@ -85,7 +85,7 @@ def run_pair(target: str, spec: dict, prompts: list[str], max_tokens: int, tempe
             per_prompt[mode].append(len(out.token_ids) / seconds)
             rounds[i, mode] = len(times.rows[mode]) - before
             totals[mode][2] += rounds[i, mode]
-    used, drafted = llm.scheduler.ahead_used, llm.scheduler.ahead_drafted
+    used, drafted = llm.core.scheduler.ahead_used, llm.core.scheduler.ahead_drafted
     llm.core.shutdown()
 
     seq, ahead = times.rows[False], times.rows[True]

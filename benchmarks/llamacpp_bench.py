@@ -69,7 +69,7 @@ def tandem_prefill(llm, tokens: int) -> tuple[float, float]:
     start = time.perf_counter()
     llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=1))
     ttft = time.perf_counter() - start
-    worker = llm.executor.target.worker
+    worker = llm.core.executor.target.worker
     start = time.perf_counter()
     worker.prefill([Prefill(static_tables(1, tokens, worker.block_size)[0], 0, ids)])
     return tokens / ttft, tokens / (time.perf_counter() - start)
@@ -104,7 +104,7 @@ def forward_rate(llm, tokens: int) -> float:
 
     from engine.kv_cache import static_tables
 
-    worker = llm.executor.target.worker
+    worker = llm.core.executor.target.worker
     slots = torch.tensor(static_tables(1, 8 + tokens, worker.block_size))  # one row's block table
     worker.model(torch.ones(1, 8, dtype=torch.long), torch.arange(8)[None], worker.cache, slots)
     for pos in range(8, 16):  # warm-up

@@ -76,7 +76,7 @@ def run(llm: LLM, batch: int, max_tokens: int, schema: bool, rounds: int, temper
     llm.generate(prompts(batch)[:2], params)  # warm: compiles the grammar, first-call costs
     best = None
     for _ in range(rounds):
-        llm.scheduler.stats = type(llm.scheduler.stats)()
+        llm.core.scheduler.stats = type(llm.core.scheduler.stats)()
         TIMES.clear()
         start = time.perf_counter()
         outs = llm.generate(prompts(batch), params)
@@ -84,7 +84,7 @@ def run(llm: LLM, batch: int, max_tokens: int, schema: bool, rounds: int, temper
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         row = {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "grammar_s": TIMES["grammar"],
                "forward_s": TIMES["forward"], "valid_json": sum(_valid(o.outputs[0].text) for o in outs)}
-        stats = llm.scheduler.stats
+        stats = llm.core.scheduler.stats
         if llm.config.speculative_config is not None:
             row["acceptance_rate"] = stats.acceptance_rate
             row["mean_acceptance_length"] = stats.mean_acceptance_length

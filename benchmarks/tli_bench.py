@@ -98,7 +98,7 @@ def main() -> None:
     for k in args.ks:
         for drafting, params_name in (("greedy", "greedy"), ("greedy", "sampled"), ("probabilistic", "sampled")):
             llm = spec_llm(k, drafting)
-            mapping = llm.scheduler.vocab_mapping
+            mapping = llm.core.scheduler.vocab_mapping
             params = greedy if params_name == "greedy" else sampled
             tps = tokens_per_second(llm, params)
             s = llm.spec_decode_stats
@@ -112,7 +112,7 @@ def main() -> None:
     retok = {}
     for retokenize in (True, False):
         llm = spec_llm(3, "greedy")
-        llm.scheduler.vocab_mapping.retokenize = retokenize
+        llm.core.scheduler.vocab_mapping.retokenize = retokenize
         tokens_per_second(llm, greedy)
         retok["with" if retokenize else "without"] = llm.spec_decode_stats.acceptance_rate
         del llm

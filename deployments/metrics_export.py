@@ -13,7 +13,8 @@ class EngineCollector:
         self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        stats = self.engine.core.scheduler.stats
+        snapshot = self.engine.stats()
+        stats = snapshot.spec_decode
         labels = ["model_name"]
         value = [self.model_name]
 
@@ -31,7 +32,7 @@ class EngineCollector:
         for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
             per_pos.add_metric(value + [str(pos)], n)
         yield per_pos
-        counters = self.engine.core.scheduler.counters
+        counters = snapshot.counters
         yield counter("generation_tokens", "Tokens generated (verified), across requests",
                       counters.num_generation_tokens)
         yield counter("prompt_tokens", "Prompt tokens admitted", counters.num_prompt_tokens)
@@ -48,18 +49,16 @@ class EngineCollector:
             family.add_metric(value, hist.cumulative(), hist.total)
             yield family
         running = GaugeMetricFamily("tandem:num_requests_running", "Requests in the batch", labels=labels)
-        running.add_metric(value, self.engine.num_running())
+        running.add_metric(value, snapshot.num_running)
         yield running
         waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests waiting to be admitted (new or preempted)",
                                     labels=labels)
-        waiting.add_metric(value, self.engine.num_waiting())
+        waiting.add_metric(value, snapshot.num_waiting)
         yield waiting
-        yield from self._cache_metrics(labels, value)
+        yield from self._cache_metrics(snapshot.caches, labels, value)
 
-    def _cache_metrics(self, labels: list[str], value: list[str]):
+    def _cache_metrics(self, caches: dict, labels: list[str], value: list[str]):
         """vLLM's cache metrics, one series per model (target, draft): each has its own blocks."""
-        sched = self.engine.core.scheduler
-        managers = {"target": sched.target_kv, "draft": sched.draft_kv}
         by_model = labels + ["model"]
         usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)",
                                   labels=by_model)
@@ -69,13 +68,11 @@ class EngineCollector:
                                    labels=by_model)
         preempted = CounterMetricFamily("tandem:num_preemptions", "Requests preempted for want of KV blocks "
                                         "(the target's pool decides; the draft's never preempts)", labels=by_model)
-        for name, kv in managers.items():
-            if kv is None:
-                continue
-            usage.add_metric(value + [name], kv.pool.usage())
-            queries.add_metric(value + [name], kv.counters.queries)
-            hits.add_metric(value + [name], kv.counters.hits)
-            preempted.add_metric(value + [name], kv.counters.preemptions)
+        for name, cache in caches.items():
+            usage.add_metric(value + [name], cache.usage)
+            queries.add_metric(value + [name], cache.queries)
+            hits.add_metric(value + [name], cache.hits)
+            preempted.add_metric(value + [name], cache.preemptions)
         yield from (usage, queries, hits, preempted)
 
 
@@ -113,8 +110,8 @@ class RayMetricsPusher:
         self.last: dict[str, float] = {}
 
     def values(self) -> dict[str, float]:
-        stats = self.engine.core.scheduler.stats
-        counters = self.engine.core.scheduler.counters
+        snapshot = self.engine.stats()
+        stats, counters = snapshot.spec_decode, snapshot.counters
         return {"spec_decode_num_drafts": stats.num_drafts,
                 "spec_decode_num_draft_tokens": stats.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,

@@ -23,7 +23,7 @@ from engine.chat import chat_prompt_ids, end_of_turn_ids
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestDelta, RequestStream
 from engine.config import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.core import TokenizedPrompt
-from engine.errors import INTERNAL_ERROR, ErrorKind
+from engine.errors import INTERNAL_ERROR, ErrorKind, InvalidRequest
 from engine.structured import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -710,19 +710,17 @@ class RequestLayer:
                               f"length of the input.", param="prompt")
 
     def _check(self, prompt: TokenizedPrompt, params: SamplingParams, structured: Structured | None = None) -> None:
+        """The engine's one validation, then its grammar compiled (here, on the pool: never on the
+        loop or the step thread)."""
         if not all(_valid_unicode(s) for s in params.stop):
             raise bad_request("stop strings must be valid Unicode (no lone surrogates)", param="stop")
         try:
-            self.engine.core.scheduler.check_request(prompt.ids, params)
-        except ValueError as e:
-            message = str(e)
-            if structured is not None and message.startswith("structured_outputs"):
-                # the grammar did not compile: named as the client gave it
-                if structured.label is not None:
-                    message = structured.label + message[message.find(":"):]
-                raise bad_request(printable(message, 600), param=structured.param) from None
-            param = next((p for p in ("max_tokens", "stop_token_ids") if message.lstrip("'").startswith(p)), "prompt")
-            raise bad_request(message, param=param) from None
+            error = self.engine.core.check_request(prompt.ids, params)
+            if error is not None:
+                raise error
+            self.engine.core.compile_grammar(params)
+        except InvalidRequest as e:
+            raise client_error(e, structured) from None
 
     # -- running (event loop) ------------------------------------------------------------------
 
@@ -740,17 +738,30 @@ class RequestLayer:
                 raise RequestError(429, str(e), "rate_limit_error", code="queue_full") from None
             if isinstance(e, EngineDeadError):
                 raise RequestError(503, "the engine is not running", "unavailable_error", code="unavailable") from None
+            if isinstance(e, InvalidRequest):
+                raise client_error(e) from None
             if isinstance(e, ValueError):
                 raise bad_request(str(e)) from None
             raise
         return streams
 
 
+def client_error(e: InvalidRequest, structured: Structured | None = None) -> RequestError:
+    """The engine's typed refusal as the API's 400: its field as the client named it (a grammar's
+    error under response_format, tools, or structured_outputs, as the request gave it)."""
+    if structured is not None and e.param is not None and e.param.startswith("structured_outputs"):
+        message = f"{structured.label}: {e.reason}" if structured.label is not None else str(e)
+        return bad_request(printable(message, 600), param=structured.param)
+    return bad_request(str(e), param=e.param)
+
+
 def delta_error(delta: RequestDelta) -> RequestError:
     """A request that ended with an error, as the client sees it."""
-    kind = delta.error_kind or (ErrorKind.INVALID_REQUEST if delta.finish_reason == "rejected" else ErrorKind.INTERNAL)
+    failure = delta.failure
+    kind = failure.kind if failure is not None else \
+        (ErrorKind.INVALID_REQUEST if delta.finish_reason == "rejected" else ErrorKind.INTERNAL)
     if kind is ErrorKind.INVALID_REQUEST:
-        return bad_request(delta.error or "invalid request")
+        return bad_request(delta.error or "invalid request", param=failure.param if failure is not None else None)
     if kind is ErrorKind.UNAVAILABLE:
         return RequestError(503, delta.error or "service unavailable", "unavailable_error", code="unavailable")
     return RequestError(500, delta.error or INTERNAL_ERROR.message, "internal_error")

@@ -9,6 +9,7 @@ must be aborted: `stream.abort()` is idempotent, synchronous, and safe from any 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -18,9 +19,9 @@ from typing import Any, NamedTuple
 
 from engine.config import EngineConfig, SamplingParams, check_cache_salt
 from engine.core import EngineCore, uses_ray
-from engine.errors import INTERNAL_ERROR, QUEUE_FAILED, ErrorKind, RequestFailure
+from engine.errors import QUEUE_FAILED, InvalidRequest, RequestFailure
 from engine.executor import ensure_ray
-from engine.metrics import CacheLogger, SpecDecodeLogger, SpecDecodeStats
+from engine.metrics import CacheLogger, EngineStats, SpecDecodeLogger, SpecDecodeStats
 from engine.scheduler import Sequence
 from engine.step import TokenLogprob
 
@@ -37,11 +38,15 @@ class RequestDelta:
     prompt_token_ids: list[int] = field(default_factory=list)  # filled on the first delta
     num_output_tokens: int = 0
     stats: SpecDecodeStats | None = None  # on the last delta
-    error: str | None = None  # safe to show a client
-    error_kind: ErrorKind | None = None  # with error: what decides the client's status
+    failure: RequestFailure | None = None  # why it ended in an error: its kind, field and message
     logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token in token_ids
     # with prompt_logprobs, on the first delta: None, then one per token
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def error(self) -> str | None:
+        """The failure's message, safe to show a client."""
+        return self.failure.message if self.failure is not None else None
 
 
 class AddRequest(NamedTuple):
@@ -134,15 +139,21 @@ class AsyncEngine:
         serve should be replaced)."""
         if not self.alive():
             return "the engine's step loop is not running"
-        if self.core.scheduler.rebuild_failed:
+        if self.core.stats().rebuild_failed:
             return "the model groups failed and could not be rebuilt"
         return None
 
+    def stats(self) -> EngineStats:
+        """The engine's counters now; num_waiting counts requests not yet handed to the step loop too."""
+        stats = self.core.stats()
+        queued = sum(isinstance(p, AddRequest) for p in self._pending)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + queued)
+
     def num_running(self) -> int:
-        return len(self.core.scheduler.running)
+        return self.core.stats().num_running
 
     def num_waiting(self) -> int:
-        return len(self.core.scheduler.waiting) + sum(isinstance(p, AddRequest) for p in self._pending)
+        return self.stats().num_waiting
 
     def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> RequestStream:
@@ -154,7 +165,9 @@ class AsyncEngine:
         if not self.alive():
             raise EngineDeadError("the engine is not running")
         text, ids = self.core.prompt_ids(prompt)
-        self.core.scheduler.check_request(ids, params)  # raise here, in the caller's task, not in the loop
+        error = self.core.check_request(ids, params)  # raised here, in the caller's task, not in the loop
+        if error is not None:
+            raise error
         cache_salt = check_cache_salt(cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -190,12 +203,11 @@ class AsyncEngine:
         self._run()
 
     def _run(self) -> None:
-        sched = self.core.scheduler
+        core = self.core
         while True:
             with self._lock:
                 # failed groups are rebuilt at once, not when the next request comes
-                while not self._stopped and not self._pending and not sched.has_unfinished() \
-                        and not sched.executor_down:
+                while not self._stopped and not self._pending and not core.has_work():
                     self._lock.wait()
                 if self._stopped:
                     return
@@ -204,40 +216,33 @@ class AsyncEngine:
                 if isinstance(command, AddRequest):
                     rid = command.request_id
                     try:
-                        sched.add(rid, command.prompt, command.prompt_ids, command.params, command.cache_salt)
-                    except ValueError as e:
-                        self._emit_error(rid, RequestFailure.invalid(str(e)))
+                        core.add_request(rid, command.prompt, command.prompt_ids, command.params, command.cache_salt)
+                    except InvalidRequest as e:
+                        self._emit_error(rid, RequestFailure.invalid(str(e), e.param))
                     except Exception:  # noqa: BLE001 - one request's problem, never the loop's
                         log.exception("request %s could not be queued", rid)
                         self._emit_error(rid, QUEUE_FAILED)
                 else:
                     try:
-                        seq = sched.abort(command.request_id)
+                        seq = core.abort(command.request_id)
                         if seq is not None:
                             self._emit(seq)
                     except Exception:  # noqa: BLE001 - an abort must never stop the loop
                         log.exception("aborting request %s failed", command.request_id)
                     self._streams.pop(command.request_id, None)
-            try:
-                seqs = sched.step()
-            except Exception:  # a bug must fail requests, not kill the loop that serves them
-                log.exception("engine step failed; failing the running requests")
-                try:
-                    seqs = sched.fail_running(INTERNAL_ERROR)
-                except Exception:  # noqa: BLE001
-                    log.exception("failing the running requests failed")
-                    seqs = []
-            for seq in seqs:
+            for seq in core.step():
                 self._emit(seq)
-            self._spec_log.maybe_log(sched.stats, time.monotonic(), log)
-            self._cache_log.maybe_log({"target": sched.target_kv, "draft": sched.draft_kv}, time.monotonic(), log)
+            now = time.monotonic()
+            if self._spec_log.due(now) or self._cache_log.due(now):  # a snapshot only when a line may be due
+                stats = core.stats()
+                self._spec_log.maybe_log(stats.spec_decode, now, log)
+                self._cache_log.maybe_log(stats.caches, now, log)
 
     def _emit_error(self, request_id: str, failure: RequestFailure) -> None:
         stream = self._streams.pop(request_id, None)
         if stream:
             loop, queue, _ = stream
-            loop.call_soon_threadsafe(queue.put_nowait, RequestDelta(request_id, [], "", "rejected",
-                                                                 error=failure.message, error_kind=failure.kind))
+            loop.call_soon_threadsafe(queue.put_nowait, RequestDelta(request_id, [], "", "rejected", failure=failure))
 
     def _emit(self, seq: Sequence) -> None:
         stream = self._streams.get(seq.request_id)
@@ -247,19 +252,16 @@ class AsyncEngine:
         text, visible = seq.text, seq.visible_text()  # a split character or a stop string's start waits
         delta = RequestDelta(seq.request_id, seq.output_ids[sent["tokens"]:], text[sent["text"]:visible],
                              seq.finish_reason, seq.stop_reason, num_output_tokens=len(seq.output_ids),
-                             error=seq.error.message if seq.error else None,
-                             error_kind=seq.error.kind if seq.error else None)
+                             failure=seq.error)
         if seq.params.logprobs is not None:
             delta.logprobs = seq.logprobs[sent["tokens"]:]
         if sent["tokens"] == 0:
             delta.prompt_token_ids = list(seq.prompt_ids)
             delta.prompt_logprobs = seq.prompt_logprobs
         if len(seq.output_ids) > sent["tokens"]:  # the latency histograms, as a streaming client sees them
-            now, counters = time.monotonic(), self.core.scheduler.counters
-            if sent["last"] is None:
-                counters.time_to_first_token.observe(now - sent["arrived"])
-            else:
-                counters.inter_token_latency.observe(now - sent["last"])
+            now = time.monotonic()
+            self.core.observe_latency(first_token=sent["last"] is None,
+                                      seconds=now - (sent["arrived"] if sent["last"] is None else sent["last"]))
             sent["last"] = now
         sent["tokens"], sent["text"] = len(seq.output_ids), max(sent["text"], visible)
         if seq.finished:

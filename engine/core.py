@@ -5,14 +5,18 @@ Shared by the offline LLM (engine/llm.py) and the async engine the serving layer
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig, check_model_pair, parallel_drafting_token
+from engine.config import EngineConfig, SamplingParams, check_model_pair, parallel_drafting_token
+from engine.errors import INTERNAL_ERROR, InvalidRequest
 from engine.executor import LocalExecutor, RayExecutor
 from engine.models.loading import eos_token_ids, load_config, load_tokenizer, resolve_model
-from engine.scheduler import Scheduler
+from engine.metrics import CacheStats, EngineStats
+from engine.scheduler import Scheduler, Sequence
+from engine.structured import GrammarCompiler
 from engine.vocab_mapping import VocabMapping
 
 log = logging.getLogger(__name__)
@@ -62,8 +66,11 @@ class EngineCore:
         max_len = self._fit_cache(max_len, k, explicit=config.max_model_len is not None or
                                   (spec is not None and spec.max_model_len is not None))
         self.max_model_len = max_len
-        self.scheduler = Scheduler(self.executor, self.tokenizer, eos_token_ids(self.tokenizer, hf_config),
-                                   config, max_len, vocab_mapping, self.vocab_size, draft_limit)
+        eos_ids = eos_token_ids(self.tokenizer, hf_config)
+        self.grammars = GrammarCompiler(self.tokenizer, eos_ids)
+        self._grammars_warmed = False
+        self.scheduler = Scheduler(self.executor, self.tokenizer, eos_ids, config, max_len, self.grammars,
+                                   vocab_mapping, draft_limit)
 
     def _fit_cache(self, max_len: int, k: int, explicit: bool) -> int:
         """max_model_len that one sequence can reach in the cache that fit (a verify step's k + 1 on top)."""
@@ -98,6 +105,92 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
         return text if isinstance(text, str) else None, ids
+
+    # -- requests: checked, added, aborted -----------------------------------------------------------
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> InvalidRequest | None:
+        """What is wrong with a request against this engine's limits (vLLM's messages), or None.
+        No side effects: any thread may call it, as often as it likes."""
+        n, limit = len(prompt_ids), self.max_model_len
+        if not prompt_ids:
+            return InvalidRequest("prompt", "prompt is empty: give at least one token")
+        if n >= limit:
+            return InvalidRequest("prompt", f"This model's maximum context length is {limit} tokens. However, your "
+                                  f"request has {n} input tokens. Please reduce the length of the input so at "
+                                  f"least one token can be generated.")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            return InvalidRequest("max_tokens", f"'max_tokens' or 'max_completion_tokens' is too large: "
+                                  f"{params.max_tokens}. This model's maximum context length is {limit} tokens "
+                                  f"and your request has {n} input tokens ({params.max_tokens} > {limit} - {n}).")
+        # it could never run, even alone (the engine starts only when one max_model_len sequence fits)
+        spec = self.config.speculative_config
+        k = spec.num_speculative_tokens if spec else 0
+        longest = min(limit, n + params.max_tokens) if params.max_tokens is not None else limit
+        capacity = self.scheduler.target_kv.capacity_tokens
+        if longest + k + 1 > capacity:
+            return InvalidRequest("max_tokens", f"this request needs up to {longest + k + 1} tokens of KV cache "
+                                  f"({n} prompt tokens, max_tokens {params.max_tokens}, {k + 1} for a verify step); "
+                                  f"the whole cache holds {capacity} tokens. Lower max_tokens or raise the "
+                                  f"server's KV cache budget.")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return InvalidRequest.of_field("stop_token_ids", f"must be token ids in [0, {self.vocab_size}), "
+                                           f"got {bad[:5]}")
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if bad:
+            return InvalidRequest.of_field("logit_bias", f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        return None
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (and cache) a structured request's grammar: InvalidRequest if it can't be held to
+        one. Call it where compiling may take its time: the request layer's pool, the offline caller;
+        never the step thread. The first grammar also starts the workers' tokenizer view."""
+        if params.structured_outputs is None:
+            return
+        if not self._grammars_warmed:
+            self._grammars_warmed = True
+            self.executor.warm_grammars()
+        self.grammars.compile(params.structured_outputs)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> Sequence:
+        """Queue a checked request (its grammar compiled); called on the thread that steps."""
+        return self.scheduler.add(request_id, prompt, prompt_ids, params, cache_salt)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        return self.scheduler.abort(request_id)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """One engine step; the sequences that got tokens or ended. Never raises: a bug fails the
+        running requests (each with an internal error), not the caller's loop."""
+        try:
+            return self.scheduler.step()
+        except Exception:  # noqa: BLE001
+            log.exception("engine step failed; failing the running requests")
+            try:
+                return self.scheduler.fail_running(INTERNAL_ERROR)
+            except Exception:  # noqa: BLE001
+                log.exception("failing the running requests failed")
+                return []
+
+    def has_work(self) -> bool:
+        """Whether a step has anything to do: requests to run, or failed groups to rebuild."""
+        return self.scheduler.has_unfinished() or self.scheduler.executor_down
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters, for metrics and logs (copies: safe to read anywhere)."""
+        sched = self.scheduler
+        caches = {name: CacheStats(kv.pool.usage(), kv.counters.queries, kv.counters.hits, kv.counters.preemptions)
+                  for name, kv in (("target", sched.target_kv), ("draft", sched.draft_kv)) if kv is not None}
+        return EngineStats(copy.deepcopy(sched.stats), copy.deepcopy(sched.counters), len(sched.running),
+                           len(sched.waiting), caches, sched.rebuild_failed)
+
+    def observe_latency(self, first_token: bool, seconds: float) -> None:
+        """A frontend's view of a request's tokens: time to its first, or between two deltas."""
+        counters = self.scheduler.counters
+        (counters.time_to_first_token if first_token else counters.inter_token_latency).observe(seconds)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -25,16 +25,38 @@ class RequestFailure:
 
     kind: ErrorKind
     message: str
+    param: str | None = None  # an invalid request's field at fault (InvalidRequest.param)
 
     @staticmethod
-    def invalid(message: str) -> "RequestFailure":
-        return RequestFailure(ErrorKind.INVALID_REQUEST, message)
+    def invalid(message: str, param: str | None = None) -> "RequestFailure":
+        return RequestFailure(ErrorKind.INVALID_REQUEST, message, param)
 
 
 INTERNAL_ERROR = RequestFailure(ErrorKind.INTERNAL, "internal error while generating this request")
 QUEUE_FAILED = RequestFailure(ErrorKind.INTERNAL, "internal error while queueing this request")
 WORKER_FAILED = RequestFailure(ErrorKind.UNAVAILABLE,
                                "the model workers failed while generating this request; retry it")
+
+
+class InvalidRequest(ValueError):
+    """A request's own input is wrong, found before it runs: `param` names the field at fault as the
+    engine spells it ("prompt", "max_tokens", "stop_token_ids", "logit_bias",
+    "structured_outputs.json", ...), `reason` says what is wrong with it, and str() is the whole
+    message, safe for a client. Each API maps `param` to its own field names; none parses the text."""
+
+    def __init__(self, param: str | None, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.reason = reason if reason is not None else message
+
+    @classmethod
+    def of_field(cls, param: str, reason: str) -> "InvalidRequest":
+        """An error whose message starts with the field's name: "max_tokens: must be at least 1"."""
+        return cls(param, f"{param}: {reason}", reason)
+
+    @property
+    def message(self) -> str:
+        return str(self)
 
 
 class ExecutorError(RuntimeError):

@@ -90,8 +90,6 @@ class LLM:
         self.config = EngineConfig(model=model, **kwargs)
         self.core = EngineCore(self.config)
         self.tokenizer = self.core.tokenizer
-        self.scheduler = self.core.scheduler
-        self.executor = self.core.executor
         self.max_model_len = self.core.max_model_len
         self._ids = itertools.count()
         # holds the core, not self: runs once, at shutdown(), collection or exit, whichever is first
@@ -112,7 +110,7 @@ class LLM:
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
-        return self.scheduler.stats
+        return self.core.stats().spec_decode
 
     def generate(self, prompts: str | dict | Iterable[str | dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -129,11 +127,14 @@ class LLM:
         parsed = [self.core.prompt_ids(p) for p in prompts]
         salts = [check_cache_salt(p.get("cache_salt")) if isinstance(p, dict) else None for p in prompts]
         for (_, ids), p in zip(parsed, params):
-            self.scheduler.check_request(ids, p)
+            error = self.core.check_request(ids, p)
+            if error is not None:
+                raise error
+            self.core.compile_grammar(p)
         requests = []  # (request id, its n sequences)
         for (text, ids), p, salt in zip(parsed, params, salts):
             request_id = f"offline-{next(self._ids)}"
-            requests.append((request_id, [self.scheduler.add(f"{request_id}-{i}", text, ids, sample, salt)
+            requests.append((request_id, [self.core.add_request(f"{request_id}-{i}", text, ids, sample, salt)
                                           for i, sample in enumerate(samples(p))]))
         seqs = [s for _, group in requests for s in group]
         bar = None
@@ -143,7 +144,7 @@ class LLM:
             bar = tqdm(total=len(seqs), desc="generate")
         done = 0
         while any(not s.finished for s in seqs):
-            self.scheduler.step()
+            self.core.step()
             if bar is not None:
                 now = sum(s.finished for s in seqs)
                 bar.update(now - done)

@@ -95,6 +95,28 @@ class EngineCounters:
         self.num_requests_finished[reason] = self.num_requests_finished.get(reason, 0) + 1
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """One model's KV cache, as metrics show it."""
+
+    usage: float  # share of blocks in use (0-1)
+    queries: int  # prompt tokens looked up in the prefix cache
+    hits: int  # ... and found there
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine's counters (EngineCore.stats()): what metrics and logs read."""
+
+    spec_decode: SpecDecodeStats
+    counters: EngineCounters
+    num_running: int
+    num_waiting: int  # admitted to the engine's queue, not yet running (new or preempted)
+    caches: dict[str, CacheStats]  # "target", and "draft" with speculation
+    rebuild_failed: bool  # the model groups failed and could not be rebuilt
+
+
 class SpecDecodeLogger:
     """A periodic log line like vLLM's: acceptance over the last interval."""
 
@@ -102,6 +124,9 @@ class SpecDecodeLogger:
         self.interval_s = interval_s
         self.last_time = None
         self.last = SpecDecodeStats()
+
+    def due(self, now: float) -> bool:
+        return self.last_time is None or now - self.last_time >= self.interval_s
 
     def maybe_log(self, stats: SpecDecodeStats, now: float, log) -> str | None:
         if self.last_time is None:
@@ -136,12 +161,13 @@ class CacheLogger:
         self.last_time: float | None = None
         self.last: dict[str, tuple[int, int, int]] = {}
 
-    def maybe_log(self, managers: dict, now: float, log) -> str | None:
-        """managers: {"target": KVCacheManager, "draft": KVCacheManager or None}."""
-        if self.last_time is not None and now - self.last_time < self.interval_s:
+    def due(self, now: float) -> bool:
+        return self.last_time is None or now - self.last_time >= self.interval_s
+
+    def maybe_log(self, caches: dict[str, CacheStats], now: float, log) -> str | None:
+        if not self.due(now):
             return None
-        current = {name: (kv.counters.queries, kv.counters.hits, kv.counters.preemptions)
-                   for name, kv in managers.items() if kv is not None}
+        current = {name: (c.queries, c.hits, c.preemptions) for name, c in caches.items()}
         first = self.last_time is None
         self.last_time = now
         if first or current == self.last:
@@ -151,7 +177,7 @@ class CacheLogger:
         for name, (queries, hits, preemptions) in current.items():
             q0, h0, p0 = self.last.get(name, (0, 0, 0))
             rate = 100 * (hits - h0) / (queries - q0) if queries > q0 else 0.0
-            parts.append(f"{name} KV cache usage: {100 * managers[name].pool.usage():.1f}%, prefix cache hit rate: "
+            parts.append(f"{name} KV cache usage: {100 * caches[name].usage:.1f}%, prefix cache hit rate: "
                          f"{rate:.1f}%")
         preempted = current["target"][2] - self.last.get("target", (0, 0, 0))[2]
         line = "; ".join(parts) + f"; preemptions: {preempted}"

@@ -93,15 +93,13 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, executor: Executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
-                 vocab_mapping: VocabMapping | None = None, vocab_size: int | None = None,
+                 grammars: GrammarCompiler, vocab_mapping: VocabMapping | None = None,
                  draft_max_len: int | None = None):
         self.executor = executor
-        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.vocab_mapping = vocab_mapping
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.grammars = GrammarCompiler(tokenizer, eos_ids)
-        self._grammars_warmed = False
+        self.grammars = grammars
         self.spec = config.speculative_config
         self.max_model_len = max_model_len
         # past its own context limit the draft stops drafting for a sequence; the target goes on alone
@@ -136,42 +134,9 @@ class Scheduler:
         self.executor_down = False  # the groups failed: the next step rebuilds them first
         self.rebuild_failed = False  # ... and the last try to rebuild them failed
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Everything about a request that needs the engine's limits (vLLM's messages); ValueError."""
-        n, limit = len(prompt_ids), self.max_model_len
-        if not prompt_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if n >= limit:
-            raise ValueError(f"This model's maximum context length is {limit} tokens. However, your request has "
-                             f"{n} input tokens. Please reduce the length of the input so at least one token "
-                             f"can be generated.")
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. This "
-                             f"model's maximum context length is {limit} tokens and your request has {n} input "
-                             f"tokens ({params.max_tokens} > {limit} - {n}).")
-        # it could never run, even alone (the engine starts only when one max_model_len sequence fits)
-        k = self.spec.num_speculative_tokens if self.spec else 0
-        longest = min(limit, n + params.max_tokens) if params.max_tokens is not None else limit
-        capacity = self.target_kv.capacity_tokens
-        if longest + k + 1 > capacity:
-            raise ValueError(f"this request needs up to {longest + k + 1} tokens of KV cache ({n} prompt tokens, "
-                             f"max_tokens {params.max_tokens}, {k + 1} for a verify step); the whole cache holds "
-                             f"{capacity} tokens. Lower max_tokens or raise the server's KV cache budget.")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
-        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if params.structured_outputs is not None:  # compiled here, off the step thread, and cached
-            if not self._grammars_warmed:  # the workers build their tokenizer view meanwhile
-                self._grammars_warmed = True
-                self.executor.warm_grammars()
-            self.grammars.compile(params.structured_outputs)
-
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
             cache_salt: str | None = None) -> Sequence:
-        self.check_request(prompt_ids, params)
+        """Queue a request EngineCore.check_request has passed (its grammar compiled: a cache hit here)."""
         seed = params.seed if params.seed is not None else next(self._seeds)
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         seq = Sequence(request_id, prompt, list(prompt_ids), params, seed, next(self._seq_ids), cache_salt, grammar,

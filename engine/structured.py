@@ -20,6 +20,8 @@ from dataclasses import asdict, fields
 from pydantic import ConfigDict, model_validator
 from pydantic.dataclasses import dataclass
 
+from engine.errors import InvalidRequest
+
 log = logging.getLogger(__name__)
 
 # bounds on what one request may ask the compiler to read (a schema is also bounded by the body limit)
@@ -71,7 +73,7 @@ class StructuredOutputsParams:
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar for `params` (not yet checked against a tokenizer); ValueError."""
+    """The llguidance grammar for `params` (not yet checked against a tokenizer); InvalidRequest."""
     import llguidance
     from llguidance import LLMatcher
 
@@ -87,7 +89,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         try:
             return LLMatcher.grammar_from_json_schema(text, overrides=options or None)
         except ValueError as e:
-            raise ValueError(f"structured_outputs.json: not a JSON schema object ({_short(e)})") from None
+            raise InvalidRequest.of_field("structured_outputs.json", f"not a JSON schema object ({_short(e)})") from None
     if params.regex is not None:
         _check_size(params.regex, "regex")
         return LLMatcher.grammar_from_regex(params.regex)
@@ -98,12 +100,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     try:
         return llguidance.grammar_from("grammar", params.grammar)
     except ValueError as e:
-        raise ValueError(f"structured_outputs.grammar: {_short(e)}") from None
+        raise InvalidRequest.of_field("structured_outputs.grammar", _short(e)) from None
 
 
 def _check_size(text: str, field: str) -> None:
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise ValueError(f"structured_outputs.{field}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+        raise InvalidRequest.of_field(f"structured_outputs.{field}", f"at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
 
 
 def _short(e: Exception, limit: int = 300) -> str:
@@ -171,54 +173,55 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, eos_ids: set[int]):
         self._hf_tokenizer, self._eos_ids = hf_tokenizer, eos_ids
-        self._cache: OrderedDict[str, str | ValueError] = OrderedDict()  # a grammar, or why it was refused
+        self._cache: OrderedDict[str, str | InvalidRequest] = OrderedDict()  # a grammar, or why it was refused
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """The checked llguidance grammar; ValueError with what is wrong (the kind of input named).
+        """The checked llguidance grammar; InvalidRequest with what is wrong (param: the kind of input,
+        "structured_outputs.json" ...).
         Refusals are cached too: a costly grammar sent again costs nothing more."""
         key = params.key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 found = self._cache[key]
-                if isinstance(found, ValueError):
-                    raise ValueError(str(found))
+                if isinstance(found, InvalidRequest):
+                    raise InvalidRequest(found.param, str(found), found.reason)
                 return found
         try:
             grammar = self._compile(params)
-        except ValueError as e:
+        except InvalidRequest as e:
             grammar = e
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > COMPILED_CACHE:
                 self._cache.popitem(last=False)
-        if isinstance(grammar, ValueError):
-            raise ValueError(str(grammar))
+        if isinstance(grammar, InvalidRequest):
+            raise InvalidRequest(grammar.param, str(grammar), grammar.reason)
         return grammar
 
     def _compile(self, params: StructuredOutputsParams) -> str:
         from llguidance import LLMatcher
 
         grammar = grammar_text(params)
+        field = f"structured_outputs.{_kind(params)}"
         tokenizer = ll_tokenizer(self._hf_tokenizer, self._eos_ids)
         start = time.perf_counter()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=parser_limits())
         if is_error:
-            raise ValueError(f"structured_outputs.{_kind(params)}: the grammar does not compile: {_short(messages[0])}")
+            raise InvalidRequest.of_field(field, f"the grammar does not compile: {_short(messages[0])}")
         # the lexer is built lazily: a first mask proves that the grammar's first step fits its limits
         matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         first = matcher.compute_bitmask()
         if not matcher.is_error() and not any(first):
-            raise ValueError(f"structured_outputs.{_kind(params)}: no token of this model's vocabulary can begin "
-                             f"an output the grammar allows")
+            raise InvalidRequest.of_field(field, "no token of this model's vocabulary can begin an output the "
+                                          "grammar allows")
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{_kind(params)}: the grammar does not compile: "
-                             f"{matcher_error(matcher.get_error())}")
+            raise InvalidRequest.of_field(field, f"the grammar does not compile: {matcher_error(matcher.get_error())}")
         elapsed = time.perf_counter() - start
         if elapsed > MAX_COMPILE_S:
-            raise ValueError(f"structured_outputs.{_kind(params)}: the grammar took {elapsed:.1f} s to compile, more "
-                             f"than the {MAX_COMPILE_S} s allowed; simplify it (fewer alternatives, smaller enums)")
+            raise InvalidRequest.of_field(field, f"the grammar took {elapsed:.1f} s to compile, more than the "
+                                          f"{MAX_COMPILE_S} s allowed; simplify it (fewer alternatives, smaller enums)")
         log.debug("grammar compiled in %.1f ms", 1e3 * elapsed)
         return grammar
 

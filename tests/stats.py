@@ -30,7 +30,7 @@ def exact_first_two(llm, prompt_ids: list[int], temperature: float, top_p: float
     from engine.kv_cache import KVCache
     from engine.sampling import probs_from_logits
 
-    model = llm.executor.target.worker.model
+    model = llm.core.executor.target.worker.model
     a = model.args
     n, V = len(prompt_ids), a.vocab_size
     per_row = -(-(n + 1) // 16)  # blocks of 16 each row needs

@@ -103,8 +103,8 @@ def test_adaptive_reaches_zero_when_acceptance_is_zero():
 def test_adaptive_respects_the_maximum():
     llm = synthetic_llm(1.0, k=2)
     # make drafting look free, so the policy wants as many drafts as it may take
-    llm.scheduler.costs.for_batch(1).observe(0, 0.0, 1.0)
-    llm.scheduler.costs.for_batch(1).observe(2, 1e-6, 1.0)
+    llm.core.scheduler.costs.for_batch(1).observe(0, 0.0, 1.0)
+    llm.core.scheduler.costs.for_batch(1).observe(2, 1e-6, 1.0)
     out = llm.generate("hello", SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=0))[0]
     stats = out.spec_decode_stats
     assert len(stats.num_accepted_tokens_per_pos) == 2  # the maximum was used, never a third draft
@@ -255,7 +255,7 @@ def test_a_request_whose_output_cant_repay_the_drafts_prefill_never_drafts():
     plainly with no draft blocks; with max_tokens 100 it prefills the draft and drafts."""
     llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
               max_model_len=1024, max_num_batched_tokens=1024)
-    sched = llm.scheduler
+    sched = llm.core.scheduler
     measured_costs(sched.costs.for_batch(1))
     for _ in range(20):
         sched.acceptance.observe(3, 3)
@@ -280,7 +280,7 @@ def test_a_long_request_drafts_where_the_requests_before_it_did_not_pay():
     prefills the draft and drafts K_max in its first decode step."""
     llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
               max_model_len=1024)
-    sched = llm.scheduler
+    sched = llm.core.scheduler
     measured_costs(sched.costs.for_batch(1))
     for _ in range(40):
         sched.acceptance.observe(3, 0)  # every draft of the requests before was rejected
@@ -306,7 +306,7 @@ def test_a_probes_catch_up_is_not_measured_as_the_cost_of_a_draft_step():
     engine stopped drafting for good, though its drafts were accepted 99.7% of the time."""
     llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
               max_model_len=1024)
-    sched = llm.scheduler
+    sched = llm.core.scheduler
     costs = sched.costs.for_batch(1)
     measured_costs(costs)
     for _ in range(20):

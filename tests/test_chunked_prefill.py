@@ -41,7 +41,7 @@ def test_greedy_tokens_do_not_depend_on_where_chunks_end(reference, budget, leng
 
 def test_running_streams_get_a_token_every_step_while_a_long_prompt_is_prefilled():
     llm = LLM(model=TARGET, max_model_len=1024, max_num_batched_tokens=32, speculative_config=SPEC)
-    sched = llm.scheduler
+    sched = llm.core.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     short = sched.add("short", None, prompt_of(llm, 5)["prompt_token_ids"], params)
     for _ in range(3):
@@ -72,7 +72,7 @@ def test_prompt_logprobs_are_the_same_in_chunks():
 
 def test_an_abort_in_mid_prefill_frees_its_blocks():
     llm = LLM(model=TARGET, max_model_len=512, max_num_batched_tokens=16)
-    sched = llm.scheduler
+    sched = llm.core.scheduler
     seq = sched.add("long", None, prompt_of(llm, 300)["prompt_token_ids"], GREEDY)
     sched.step()
     sched.step()
@@ -95,7 +95,7 @@ def test_real_pair_chunks_inside_the_drafts_retokenized_text_keep_greedy_tokens(
 
 def _prompt_kv(llm: LLM, seq, n: int):
     """The keys and values of a sequence's first n positions in every layer of the target's cache."""
-    cache, bs = llm.executor.target.worker.cache, llm.scheduler.target_kv.block_size
+    cache, bs = llm.core.executor.target.worker.cache, llm.core.scheduler.target_kv.block_size
     blocks = seq.target.blocks[: -(-n // bs)]
     return [c[layer][blocks].permute(0, 2, 1, 3).flatten(0, 1)[:n] for c in (cache.k, cache.v)
             for layer in range(len(cache.k))]
@@ -112,16 +112,16 @@ def test_one_step_prefills_its_requests_together_with_the_keys_and_values_of_eac
     alone = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False,
                 cpu_isa=cpu_isa)
     prompts = [prompt_of(together, n)["prompt_token_ids"] for n in lengths]
-    seqs = [together.scheduler.add(f"r{i}", None, p, GREEDY) for i, p in enumerate(prompts)]
-    together.scheduler.step()
+    seqs = [together.core.scheduler.add(f"r{i}", None, p, GREEDY) for i, p in enumerate(prompts)]
+    together.core.scheduler.step()
     assert all(not s.prefilling and len(s.output_ids) == 1 for s in seqs)  # one step: prefill, first token
     for i, p in enumerate(prompts):
-        seq = alone.scheduler.add(f"a{i}", None, p, GREEDY)
-        alone.scheduler.step()
+        seq = alone.core.scheduler.add(f"a{i}", None, p, GREEDY)
+        alone.core.scheduler.step()
         for got, want in zip(_prompt_kv(together, seqs[i], len(p)), _prompt_kv(alone, seq, len(p))):
             assert torch.equal(got, want)
         assert seq.output_ids == seqs[i].output_ids
-        alone.scheduler.abort(f"a{i}")
+        alone.core.scheduler.abort(f"a{i}")
 
 
 @pytest.mark.parametrize("model", [GEMMA3, SMOLLM2])
@@ -134,12 +134,12 @@ def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(mode
     for budget in (4096, 5, 16, 17, 100):
         llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=budget, enable_prefix_caching=False,
                   cpu_isa=cpu_isa)
-        assert llm.executor.target.worker.model.layers_take_any_rows
+        assert llm.core.executor.target.worker.model.layers_take_any_rows
         prompt = prompt_of(llm, 300)["prompt_token_ids"]
-        seq = llm.scheduler.add("r", None, prompt, params)
+        seq = llm.core.scheduler.add("r", None, prompt, params)
         steps[budget] = 0
         while not seq.output_ids:  # the first token comes from the step of the last chunk
-            llm.scheduler.step()
+            llm.core.scheduler.step()
             steps[budget] += 1
         kv[budget] = _prompt_kv(llm, seq, len(prompt))
     assert steps == {b: -(-299 // b) for b in steps}  # the prompt but its last token, in chunks of the budget
@@ -158,33 +158,33 @@ def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits(cpu_
                 cpu_isa=cpu_isa)
     prompt = prompt_of(alone, 300)["prompt_token_ids"]
     want_stream = alone.generate(prompt_of(alone, 9), params)[0].outputs[0].token_ids
-    seq = alone.scheduler.add("long", None, prompt, params)
-    alone.scheduler.step()  # admitted and prefilled in one step
+    seq = alone.core.scheduler.add("long", None, prompt, params)
+    alone.core.scheduler.step()  # admitted and prefilled in one step
     want_kv = _prompt_kv(alone, seq, len(prompt))
     while not seq.finished:
-        alone.scheduler.step()
+        alone.core.scheduler.step()
 
     llm = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=64, enable_prefix_caching=False,
               cpu_isa=cpu_isa)
-    worker = llm.executor.target.worker
+    worker = llm.core.executor.target.worker
     assert worker.takes_ragged_rows
     prefill_calls = []
     real_prefill = worker.prefill
     worker.prefill = lambda chunks, *a, **k: (prefill_calls.append(len(chunks)), real_prefill(chunks, *a, **k))[1]
-    stream = llm.scheduler.add("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
-    llm.scheduler.step()
+    stream = llm.core.scheduler.add("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
+    llm.core.scheduler.step()
     assert len(stream.output_ids) == 1 and not prefill_calls  # its prompt: its first round's pending tokens
-    long = llm.scheduler.add("long", None, prompt, params)
+    long = llm.core.scheduler.add("long", None, prompt, params)
     steps = 0
     while long.prefilling or not long.started:
-        llm.scheduler.step()
+        llm.core.scheduler.step()
         steps += 1
     assert steps == -(-299 // 63) and not prefill_calls  # no chunk had a forward of its own
     assert len(long.output_ids) == 1  # from the step of its last chunk
     for got, want in zip(_prompt_kv(llm, long, len(prompt)), want_kv):
         assert torch.equal(got, want)
     while not (stream.finished and long.finished):
-        llm.scheduler.step()
+        llm.core.scheduler.step()
     assert stream.output_ids == want_stream and long.output_ids == seq.output_ids
 
 
@@ -194,7 +194,7 @@ def test_a_chunk_that_raises_in_a_decode_steps_forward_fails_its_request_alone(r
     only that request fails; the running stream's tokens are those it gets alone."""
     ref_llm, want = reference
     llm = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=32, enable_prefix_caching=False)
-    sched = llm.scheduler
+    sched = llm.core.scheduler
     stream = sched.add("stream", None, prompt_of(ref_llm, 15)["prompt_token_ids"], GREEDY)
     sched.step()
     poisoned = sched.add("poisoned", None, [5] * 100 + [10**6] + [5] * 100, GREEDY)
@@ -225,7 +225,7 @@ def test_on_int8_a_step_computes_at_most_the_budget_in_the_target():
     budget = 64
     llm = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=budget, enable_prefix_caching=False,
               speculative_config={"model": SMOLLM2, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True})
-    worker = llm.executor.target.worker
+    worker = llm.core.executor.target.worker
     assert worker.takes_ragged_rows
     computed = []
     for name in ("forward_ragged", "prefill"):
@@ -237,7 +237,7 @@ def test_on_int8_a_step_computes_at_most_the_budget_in_the_target():
             return real(tables, *args, **kwargs)
         setattr(worker, name, counted)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    sched = llm.scheduler
+    sched = llm.core.scheduler
     stream = sched.add("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
     computed.append(0)
     sched.step()

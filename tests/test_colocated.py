@@ -33,22 +33,22 @@ def test_a_colocated_draft_gives_the_same_tokens_in_the_target_ranks_bundles(ref
             "draft_tensor_parallel_size": draft_tp}
     llm = LLM(model=TARGET, tensor_parallel_size=tp, distributed_executor_backend="ray", speculative_config=spec)
     try:
-        assert len(llm.executor.placement.bundle_specs) == tp  # no bundles of the draft's own
-        assert len(llm.executor.draft) == draft_tp
+        assert len(llm.core.executor.placement.bundle_specs) == tp  # no bundles of the draft's own
+        assert len(llm.core.executor.draft) == draft_tp
         assert greedy(llm) == reference
         assert llm.spec_decode_stats.num_draft_tokens > 0  # the draft did run
     finally:
-        llm.executor.shutdown()
+        llm.core.executor.shutdown()
 
 
 def test_separate_placement_still_takes_bundles_of_its_own(reference):
     spec = {"model": DRAFT, "num_speculative_tokens": 3, "draft_placement": "separate"}
     llm = LLM(model=TARGET, distributed_executor_backend="ray", speculative_config=spec)
     try:
-        assert len(llm.executor.placement.bundle_specs) == 2
+        assert len(llm.core.executor.placement.bundle_specs) == 2
         assert greedy(llm) == reference
     finally:
-        llm.executor.shutdown()
+        llm.core.executor.shutdown()
 
 
 def test_placement_defaults_and_rules():

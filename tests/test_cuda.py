@@ -22,7 +22,7 @@ def cuda_llm(spec: dict | None = None, **kw) -> LLM:
 def test_workers_live_on_the_gpu():
     llm = cuda_llm({})
     llm.generate("hi", SamplingParams(temperature=0.8, max_tokens=4, seed=1))
-    for rank in (llm.executor.target, llm.executor.draft):
+    for rank in (llm.core.executor.target, llm.core.executor.draft):
         assert next(rank.worker.model.parameters()).is_cuda
         assert all(g.device.type == "cuda" for g in rank.worker.generators.values()) or not rank.worker.generators
 
@@ -82,10 +82,10 @@ def test_one_gpu_speculates_with_a_colocated_draft_over_ray(placement):
     plain = [o.outputs[0].token_ids for o in cuda_llm().generate(PROMPTS, greedy)]
     llm = cuda_llm({"draft_placement": placement}, distributed_executor_backend="ray")
     try:
-        assert len(llm.executor.placement.bundle_specs) == (1 if placement == "colocated" else 2)
+        assert len(llm.core.executor.placement.bundle_specs) == (1 if placement == "colocated" else 2)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == plain
     finally:
-        llm.executor.shutdown()
+        llm.core.executor.shutdown()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -99,7 +99,7 @@ def test_colocated_draft_shares_the_target_tensor_parallel_group():
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == tp1
     finally:
-        llm.executor.shutdown()
+        llm.core.executor.shutdown()
 
 
 @pytest.mark.parametrize("spec", [{}, {"parallel_drafting": True, "model": "random:tiny-llama-pard:2"}])
@@ -124,9 +124,9 @@ def test_the_paged_cache_on_the_gpu_hits_prefixes_and_preempts_without_changing_
     prompts = [f"request {i} " + "lorem ipsum " * (3 + i % 4) for i in range(7)]
     roomy = cuda_llm({}, max_model_len=128)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, greedy)]
-    block = sum(r.worker.block_bytes() for r in (roomy.executor.target, roomy.executor.draft))
+    block = sum(r.worker.block_bytes() for r in (roomy.core.executor.target, roomy.core.executor.draft))
     small = cuda_llm({}, max_model_len=128, kv_cache_memory_bytes=25 * block)
     assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy)] == want
-    assert small.scheduler.target_kv.counters.preemptions > 0
+    assert small.core.scheduler.target_kv.counters.preemptions > 0
     assert [o.outputs[0].token_ids for o in roomy.generate(prompts[:2], greedy)] == want[:2]
-    assert roomy.scheduler.target_kv.counters.hits > 0
+    assert roomy.core.scheduler.target_kv.counters.hits > 0

@@ -263,7 +263,7 @@ def test_without_the_kernels_a_model_runs_on_pytorch_ops(monkeypatch):
         if env is not None:
             monkeypatch.setenv("TANDEM_CPU_KERNELS", env)
         llm = LLM(model="random:tiny-gemma3", **({} if kernels is None else {"cpu_kernels": kernels}))
-        model = llm.executor.target.worker.model
+        model = llm.core.executor.target.worker.model
         on = kernels is not False and env is None
         assert llm.config.cpu_kernels is on
         assert model.cpu_kernels is on and (model.decode_layers is not None) is on

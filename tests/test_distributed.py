@@ -238,5 +238,5 @@ def test_tp2_replicates_a_single_key_value_head():
                                                 gguf_weights="blocks").generate(prompts, params)]
     with LLM(model=gemma, max_model_len=512, tensor_parallel_size=2, gguf_weights="blocks",
              speculative_config={**spec, "draft_tensor_parallel_size": 1}) as llm:  # SmolLM2's 9 heads don't split
-        assert llm.executor.target and len(llm.executor.target) == 2
+        assert llm.core.executor.target and len(llm.core.executor.target) == 2
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == tp1

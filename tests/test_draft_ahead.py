@@ -38,7 +38,7 @@ def run(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
 def ahead_llm(model: str, spec: dict, **kw) -> LLM:
     """Draft-ahead on every step (the policy pinned: these tests are about what it outputs)."""
     llm = LLM(model=model, speculative_config={**spec, "draft_ahead": True}, **kw)
-    llm.scheduler.ahead_policy = AheadPolicy(fixed=True)
+    llm.core.scheduler.ahead_policy = AheadPolicy(fixed=True)
     return llm
 
 
@@ -60,7 +60,7 @@ def reference():
 def test_greedy_output_equals_plain_decoding(reference, spec):
     llm = ahead_llm(TARGET, spec, max_num_seqs=4)  # 5 prompts: one joins mid-way
     assert run(llm) == reference
-    sched = llm.scheduler
+    sched = llm.core.scheduler
     assert sched.ahead_drafted > 0
     if spec["model"] == TARGET and spec.get("draft_sample_method") != "probabilistic":
         # the draft is the target: its blocks continue the target's greedy output (most are used;
@@ -78,7 +78,7 @@ def test_blocks_are_used_and_cut_to_the_budget():
     llm = ahead_llm(TARGET, spec)
     assert run(llm, prompts, lengths) == ref
     assert [len(t) for t in ref] == lengths
-    assert llm.scheduler.ahead_used > 0
+    assert llm.core.scheduler.ahead_used > 0
     # with every draft accepted, a row takes one step per 5 tokens either way
     seq = LLM(model=TARGET, speculative_config=spec)
     run(seq, prompts, lengths)
@@ -91,7 +91,7 @@ def test_token_level_intersection(tmp_path):
     ref = run(LLM(model=target), prompts, lengths)
     llm = ahead_llm(target, {"model": draft, "num_speculative_tokens": 3, "use_heterogeneous_vocab": True})
     assert run(llm, prompts, lengths) == ref
-    assert llm.scheduler.ahead_drafted > 0
+    assert llm.core.scheduler.ahead_drafted > 0
 
 
 @pytest.mark.parametrize("target, draft, tli", [(SMOLLM2, SMOLLM2, False), (GEMMA3, SMOLLM2, True)],
@@ -106,9 +106,9 @@ def test_real_pairs(target, draft, tli):
     on = ahead_llm(target, spec, max_model_len=256)
     assert run(off, prompts, lengths) == ref
     assert run(on, prompts, lengths) == ref
-    assert on.scheduler.ahead_drafted > 0
+    assert on.core.scheduler.ahead_drafted > 0
     if target == draft:
-        assert on.scheduler.ahead_used > 0
+        assert on.core.scheduler.ahead_used > 0
 
 
 def test_sampled_token_from_an_ahead_block_follows_the_target():
@@ -128,7 +128,7 @@ def test_sampled_token_from_an_ahead_block_follows_the_target():
     pair = max(pairs, key=pairs.get)
     third = [o[2] for o in outs if tuple(o[:2]) == pair]
     assert len(third) >= 500, pairs[pair]
-    assert llm.scheduler.ahead_used >= 0.1 * n, llm.scheduler.ahead_used  # many third tokens came from a block
+    assert llm.core.scheduler.ahead_used >= 0.1 * n, llm.core.scheduler.ahead_used  # many third tokens came from a block
     ids = llm.get_tokenizer().encode(prompt) + list(pair)
     with torch.no_grad():
         logits = LLM(model=TARGET).executor.target.worker.forward(static_tables(1, len(ids), 16), [0], [ids])[0, -1]
@@ -224,7 +224,7 @@ def test_in_one_process_draft_ahead_never_runs(reference):
     pinned off (blocks would only cost) and the output is plain decoding's."""
     llm = LLM(model=TARGET, speculative_config={"model": TARGET, "num_speculative_tokens": 3, "draft_ahead": True})
     assert run(llm) == reference
-    assert llm.scheduler.ahead_drafted == 0 and not llm.scheduler.ahead_policy.use()
+    assert llm.core.scheduler.ahead_drafted == 0 and not llm.core.scheduler.ahead_policy.use()
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_ray_groups(ray_cluster, reference, tp, extra):
                     distributed_executor_backend="ray", max_num_seqs=4, **extra)
     try:
         assert run(llm) == reference
-        assert llm.scheduler.ahead_used > 0
+        assert llm.core.scheduler.ahead_used > 0
     finally:
         llm.core.shutdown()
 

@@ -33,7 +33,7 @@ def test_engine_totals_equal_sum_of_requests(run):
     for o in outs:
         s = o.spec_decode_stats
         assert len(o.outputs[0].token_ids) <= s.num_accepted_tokens + s.num_drafts + 1
-    counters = llm.scheduler.counters
+    counters = llm.core.scheduler.counters
     assert counters.num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in outs) == 30 + 17 + 25 + 9
     assert counters.num_prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
     assert counters.num_requests_finished == {"length": 4}

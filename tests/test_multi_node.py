@@ -121,7 +121,7 @@ def test_groups_across_nodes_match_one_node(cluster, reference, tp, strategy):
     llm = LLM(model=TARGET, tensor_parallel_size=tp, distributed_executor_backend="ray", placement_strategy=strategy,
               speculative_config={"model": DRAFT, "num_speculative_tokens": 3})
     try:
-        nodes = llm.executor.nodes()
+        nodes = llm.core.executor.nodes()
         if tp == 1:  # the draft on a node of its own
             assert {nodes["target"][0], nodes["draft"][0]} == {HEAD, WORKER}
         else:  # each tensor-parallel group's two ranks talk across the nodes

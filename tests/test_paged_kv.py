@@ -115,12 +115,12 @@ def test_not_two_blocks_is_an_error_with_the_numbers():
 
 def joint_block_bytes() -> int:
     llm = LLM(model=TARGET, max_model_len=64, speculative_config=SPEC)
-    return sum(r.worker.block_bytes() for r in (llm.executor.target, llm.executor.draft))
+    return sum(r.worker.block_bytes() for r in (llm.core.executor.target, llm.core.executor.draft))
 
 
 def test_max_model_len_defaults_to_the_targets_own_limit():
     llm = LLM(model=TARGET)
-    assert llm.max_model_len == llm.executor.target.worker.hf_config.max_position_embeddings
+    assert llm.max_model_len == llm.core.executor.target.worker.hf_config.max_position_embeddings
 
 
 def test_an_explicit_max_model_len_the_cache_cannot_hold_refuses_to_start_and_a_default_one_shrinks(caplog):
@@ -158,24 +158,24 @@ def test_a_cache_too_small_for_the_batch_preempts_and_every_request_still_gets_i
     with caplog.at_level(logging.INFO, logger="engine.memory"):
         llm = LLM(model=TARGET, max_model_len=128, max_num_seqs=8, kv_cache_memory_bytes=budget,
                   speculative_config=SPEC)
-    assert llm.executor.num_blocks == 25 and llm.executor.target.worker.cache.k[0].shape[0] == 25
+    assert llm.core.executor.num_blocks == 25 and llm.core.executor.target.worker.cache.k[0].shape[0] == 25
     assert "384 tokens" in caplog.text and "maximum concurrency for 132 tokens per request: 2.91x" in caplog.text
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
-    counters = llm.scheduler.target_kv.counters
+    counters = llm.core.scheduler.target_kv.counters
     assert counters.preemptions > 0
-    assert llm.scheduler.target_kv.pool.num_free == 24 and llm.scheduler.draft_kv.pool.num_free == 24
+    assert llm.core.scheduler.target_kv.pool.num_free == 24 and llm.core.scheduler.draft_kv.pool.num_free == 24
 
 
 def test_a_shared_prefix_is_computed_once_and_outputs_do_not_change(reference):
     llm = LLM(model=TARGET, max_model_len=128, speculative_config=SPEC)
     first = llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
-    counters = llm.scheduler.target_kv.counters
+    counters = llm.core.scheduler.target_kv.counters
     assert counters.hits == 0
     again = llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
     prompt_len = len(llm.tokenizer.encode(PROMPTS[0]))
     assert counters.hits == (prompt_len - 1) // 16 * 16 > 0  # every full block of the prompt
-    assert llm.scheduler.draft_kv.counters.hits > 0  # the draft's prefix too
+    assert llm.core.scheduler.draft_kv.counters.hits > 0  # the draft's prefix too
     assert first == again == reference[0]
 
 
@@ -184,15 +184,15 @@ def test_the_next_turn_hits_the_blocks_of_the_previous_output():
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     out = llm.generate(PROMPTS[1], params)[0]
     turn = out.prompt_token_ids + out.outputs[0].token_ids + llm.tokenizer.encode(" and then")
-    before = llm.scheduler.target_kv.counters.hits
+    before = llm.core.scheduler.target_kv.counters.hits
     llm.generate({"prompt_token_ids": turn}, params)
-    hit = llm.scheduler.target_kv.counters.hits - before
+    hit = llm.core.scheduler.target_kv.counters.hits - before
     assert hit >= (len(out.prompt_token_ids) + 40 - 1) // 16 * 16 - 16  # the prompt's blocks and the reply's
 
 
 def test_requests_with_different_cache_salts_never_share_a_block():
     llm = LLM(model=TARGET, max_model_len=128)
-    counters = llm.scheduler.target_kv.counters
+    counters = llm.core.scheduler.target_kv.counters
     a = llm.generate({"prompt": PROMPTS[2], "cache_salt": "tenant-a"}, GREEDY)[0].outputs[0].token_ids
     b = llm.generate({"prompt": PROMPTS[2], "cache_salt": "tenant-b"}, GREEDY)[0].outputs[0].token_ids
     assert counters.hits == 0 and a == b

@@ -106,7 +106,7 @@ def test_a_cpu_whose_os_refuses_the_instructions_falls_back_with_a_log_line(tmp_
         assert not list((build_dir.parent).glob("*/*.so"))  # never built, never loaded
         from engine import LLM, SamplingParams
         llm = LLM(model="random:tiny-llama:1", max_model_len=64)
-        assert llm.executor.target.worker.model.decode_layers is None
+        assert llm.core.executor.target.worker.model.decode_layers is None
         out = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
         print("ok")

@@ -135,7 +135,7 @@ def test_greedy_regex_output_equals_plain(regex_reference, spec):
     if spec.get("draft_ahead"):
         from engine.ahead_policy import AheadPolicy
 
-        llm.scheduler.ahead_policy = AheadPolicy(fixed=True)
+        llm.core.scheduler.ahead_policy = AheadPolicy(fixed=True)
     out = texts(llm, greedy({"regex": REGEX}))
     assert out == regex_reference
     assert all(re.fullmatch(REGEX, t) for t in out), out
@@ -165,7 +165,7 @@ def test_sampled_tokens_follow_the_masked_target(draft_sample_method, method):
     params = [SamplingParams(temperature=1.0, max_tokens=2, seed=s, structured_outputs=so) for s in range(n)]
     outs = llm.generate(["the cat"] * n, params)
     tok = plain.get_tokenizer()
-    vocab = plain.executor.target.worker.vocab_size
+    vocab = plain.core.executor.target.worker.vocab_size
     letters = lambda chars: torch.tensor([i in set(tok.convert_tokens_to_ids(list(chars))) for i in range(vocab)])
     p1, p2 = exact_first_two(plain, tok.encode("the cat"), 1.0, allowed=(letters("abcde"),
                                                                        letters("abcdefghijklmnopqrstuvwxyz")))

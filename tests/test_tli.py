@@ -183,7 +183,7 @@ def test_real_pair_with_prefix_hits_and_preemption_gives_plain_greedy_tokens(gem
         assert [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, params)] == gemma_reference
     sched = llm.core.scheduler
     assert sched.target_kv.counters.hits > 0 and sched.draft_kv.counters.hits > 0
-    block = sum(r.worker.block_bytes() for r in (llm.executor.target, llm.executor.draft))
+    block = sum(r.worker.block_bytes() for r in (llm.core.executor.target, llm.core.executor.draft))
     small = LLM(model=GEMMA3, max_model_len=144, kv_cache_memory_bytes=14 * block, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in small.generate(REAL_PROMPTS, params)] == gemma_reference
     assert small.core.scheduler.target_kv.counters.preemptions > 0
