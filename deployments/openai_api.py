@@ -27,7 +27,8 @@ from deployments.metrics_export import metrics_text
 from deployments.requests import (PreparedRequest, RequestError, RequestLayer, ToolCalls, collect, delta_error,
                                   key_matches, parse_tool_calls, tool_call_id)
 from deployments.logprobs import LogprobFormatter
-from engine.async_engine import AsyncEngine, RequestDelta, RequestStream
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.output_processor import RequestDelta
 
 log = logging.getLogger(__name__)
 

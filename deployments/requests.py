@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, Valid
 
 from deployments.tokenizer_info import tokenizer_info
 from engine.chat import chat_prompt_ids, end_of_turn_ids
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestDelta, RequestStream
+from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from engine.output_processor import RequestDelta
 from engine.config import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.core import TokenizedPrompt
 from engine.errors import INTERNAL_ERROR, ErrorKind, InvalidRequest

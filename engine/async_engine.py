@@ -1,7 +1,8 @@
 """The engine as the serving layer sees it: add_request() returns a RequestStream of deltas.
 
 One thread runs the step loop (model calls block); each request has an asyncio.Queue that the
-loop feeds through the event loop's thread-safe door. Streaming convention: every delta carries
+loop feeds through the event loop's thread-safe door, with the deltas engine/output_processor.py
+makes. Streaming convention: every delta carries
 the tokens and text new since the previous one; the last has finish_reason set (and `error`, a
 message safe to show a client, when the request failed). A stream that is dropped before its end
 must be aborted: `stream.abort()` is idempotent, synchronous, and safe from any task.
@@ -14,39 +15,17 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from engine.config import EngineConfig, SamplingParams, check_cache_salt
 from engine.core import EngineCore, uses_ray
 from engine.errors import QUEUE_FAILED, InvalidRequest, RequestFailure
 from engine.executor import ensure_ray
-from engine.metrics import CacheLogger, EngineStats, SpecDecodeLogger, SpecDecodeStats
+from engine.metrics import CacheLogger, EngineStats, SpecDecodeLogger
+from engine.output_processor import OutputProcessor, RequestDelta, StreamCursor
 from engine.scheduler import Sequence
-from engine.step import TokenLogprob
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestDelta:
-    request_id: str
-    token_ids: list[int]  # new since the previous delta
-    text: str  # new since the previous delta
-    finish_reason: str | None = None  # as Sequence's, or "rejected": the request was invalid
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)  # filled on the first delta
-    num_output_tokens: int = 0
-    stats: SpecDecodeStats | None = None  # on the last delta
-    failure: RequestFailure | None = None  # why it ended in an error: its kind, field and message
-    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token in token_ids
-    # with prompt_logprobs, on the first delta: None, then one per token
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    @property
-    def error(self) -> str | None:
-        """The failure's message, safe to show a client."""
-        return self.failure.message if self.failure is not None else None
 
 
 class AddRequest(NamedTuple):
@@ -173,7 +152,7 @@ class AsyncEngine:
         with self._lock:
             if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
                 raise QueueFullError(f"queue is full ({self.max_queued_requests} requests waiting); retry later")
-            self._streams[request_id] = (asyncio.get_running_loop(), queue, {"tokens": 0, "text": 0, "arrived": time.monotonic(), "last": None})
+            self._streams[request_id] = (asyncio.get_running_loop(), queue, StreamCursor(time.monotonic()))
             self._pending.append(AddRequest(request_id, text, ids, params, cache_salt))
             self._lock.notify()
         return RequestStream(self, request_id, queue)
@@ -242,29 +221,19 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream:
             loop, queue, _ = stream
-            loop.call_soon_threadsafe(queue.put_nowait, RequestDelta(request_id, [], "", "rejected", failure=failure))
+            loop.call_soon_threadsafe(queue.put_nowait, OutputProcessor.rejected(request_id, failure))
 
     def _emit(self, seq: Sequence) -> None:
         stream = self._streams.get(seq.request_id)
         if stream is None:
             return
-        loop, queue, sent = stream
-        text, visible = seq.text, seq.visible_text()  # a split character or a stop string's start waits
-        delta = RequestDelta(seq.request_id, seq.output_ids[sent["tokens"]:], text[sent["text"]:visible],
-                             seq.finish_reason, seq.stop_reason, num_output_tokens=len(seq.output_ids),
-                             failure=seq.error)
-        if seq.params.logprobs is not None:
-            delta.logprobs = seq.logprobs[sent["tokens"]:]
-        if sent["tokens"] == 0:
-            delta.prompt_token_ids = list(seq.prompt_ids)
-            delta.prompt_logprobs = seq.prompt_logprobs
-        if len(seq.output_ids) > sent["tokens"]:  # the latency histograms, as a streaming client sees them
+        loop, queue, cursor = stream
+        if len(seq.output_ids) > cursor.tokens:  # the latency histograms, as a streaming client sees them
             now = time.monotonic()
-            self.core.observe_latency(first_token=sent["last"] is None,
-                                      seconds=now - (sent["arrived"] if sent["last"] is None else sent["last"]))
-            sent["last"] = now
-        sent["tokens"], sent["text"] = len(seq.output_ids), max(sent["text"], visible)
+            first = cursor.last is None
+            self.core.observe_latency(first_token=first, seconds=now - (cursor.arrived if first else cursor.last))
+            cursor.last = now
+        delta = self.core.outputs.delta(seq, cursor)
         if seq.finished:
-            delta.stats = seq.stats
             self._streams.pop(seq.request_id, None)
         loop.call_soon_threadsafe(queue.put_nowait, delta)

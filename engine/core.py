@@ -15,6 +15,7 @@ from engine.errors import INTERNAL_ERROR, InvalidRequest
 from engine.executor import LocalExecutor, RayExecutor
 from engine.models.loading import eos_token_ids, load_config, load_tokenizer, resolve_model
 from engine.metrics import CacheStats, EngineStats
+from engine.output_processor import OutputProcessor
 from engine.scheduler import Scheduler, Sequence
 from engine.structured import GrammarCompiler
 from engine.vocab_mapping import VocabMapping
@@ -69,8 +70,9 @@ class EngineCore:
         eos_ids = eos_token_ids(self.tokenizer, hf_config)
         self.grammars = GrammarCompiler(self.tokenizer, eos_ids)
         self._grammars_warmed = False
+        self.outputs = OutputProcessor(self.tokenizer, eos_ids, max_len)
         self.scheduler = Scheduler(self.executor, self.tokenizer, eos_ids, config, max_len, self.grammars,
-                                   vocab_mapping, draft_limit)
+                                   self.outputs, vocab_mapping, draft_limit)
 
     def _fit_cache(self, max_len: int, k: int, explicit: bool) -> int:
         """max_model_len that one sequence can reach in the cache that fit (a verify step's k + 1 on top)."""

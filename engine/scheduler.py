@@ -25,6 +25,7 @@ from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, RequestF
 from engine.executor import Executor
 from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
+from engine.output_processor import OutputProcessor
 from engine.step import AheadBatch, DraftBatch, Prefill, RequestGrammar, RowSampling, TokenLogprob, VerifyBatch
 from engine.structured import GrammarCompiler
 from engine.vocab_mapping import VocabMapping
@@ -90,16 +91,24 @@ class Sequence:
         """How much of the text a client may see now (a possible stop string's start is held back)."""
         return self.detokenizer.visible(self.finished) if self.detokenizer is not None else 0
 
+    def remaining(self, max_model_len: int) -> int:
+        """New tokens it may still produce: within max_model_len and its max_tokens."""
+        room = max_model_len - self.num_tokens
+        if self.params.max_tokens is not None:
+            room = min(room, self.params.max_tokens - len(self.output_ids))
+        return room
+
 
 class Scheduler:
     def __init__(self, executor: Executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
-                 grammars: GrammarCompiler, vocab_mapping: VocabMapping | None = None,
+                 grammars: GrammarCompiler, outputs: OutputProcessor, vocab_mapping: VocabMapping | None = None,
                  draft_max_len: int | None = None):
         self.executor = executor
         self.vocab_mapping = vocab_mapping
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.grammars = grammars
+        self.outputs = outputs
         self.spec = config.speculative_config
         self.max_model_len = max_model_len
         # past its own context limit the draft stops drafting for a sequence; the target goes on alone
@@ -140,8 +149,8 @@ class Scheduler:
         seed = params.seed if params.seed is not None else next(self._seeds)
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         seq = Sequence(request_id, prompt, list(prompt_ids), params, seed, next(self._seq_ids), cache_salt, grammar,
-                       acceptance=self.acceptance.prior(),
-                       detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+                       acceptance=self.acceptance.prior())
+        self.outputs.track(seq)
         self.waiting.append(seq)
         return seq
 
@@ -646,10 +655,7 @@ class Scheduler:
 
     def _budget(self, seq: Sequence) -> int:
         """New tokens this sequence may still produce."""
-        room = self.max_model_len - len(seq.all_ids)
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - len(seq.output_ids))
-        return room
+        return seq.remaining(self.max_model_len)
 
     def _num_drafts(self, seq: Sequence, batch: int, pays: bool) -> int:
         if self.spec is None:
@@ -679,24 +685,10 @@ class Scheduler:
         return RowSampling(seq.request_id, p, tuple(sorted(held)), hold, **history)
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
-        p = seq.params
+        """The step's tokens to the request's output (text, stop checks: the output processor's),
+        then to the draft's view of it."""
         start = len(seq.output_ids)
-        for i, token in enumerate(tokens):
-            seq.output_ids.append(token)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs[i])
-            self.counters.num_generation_tokens += 1
-            stop = seq.detokenizer.add(token)  # new text only: the cost per token stays flat
-            if not p.ignore_eos and token in self.eos_ids:
-                seq.finish_reason = "stop"
-            elif token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif stop is not None:  # tokens after the one that completes a stop string are dropped
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            elif self._budget(seq) <= 0:
-                seq.finish_reason = "length"
-            if seq.finished:
-                break
+        self.counters.num_generation_tokens += self.outputs.append(seq, tokens, logprobs)
         if seq.drafts:  # the draft's view, for a request that may draft
             added = seq.output_ids[start:]
             seq.draft_ids.extend(self.vocab_mapping.to_draft(added) if self.vocab_mapping else added)
