@@ -115,7 +115,7 @@ def serve_args_from_cli(argv: list[str]) -> dict:
 def serve_main(argv: list[str]) -> None:
     parsed = serve_args_from_cli(argv)
     from deployments.app import make_app, parse_args
-    from deployments.requests import resolve_api_key
+    from deployments.auth import resolve_api_key
 
     try:
         args = parse_args(parsed["args"])  # validates everything before Ray starts

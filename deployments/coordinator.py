@@ -17,7 +17,7 @@ from deployments.app import ServeArgs
 from deployments.grpc_service import GrpcServer, TandemServicer
 from deployments.metrics_export import RayMetricsPusher
 from deployments.openai_api import create_app
-from deployments.requests import resolve_api_key
+from deployments.auth import resolve_api_key
 from engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,9 @@ import grpc
 from pydantic import SecretStr
 
 from deployments.app import ServeArgs
-from deployments.requests import PreparedRequest, RequestError, RequestLayer, collect, delta_error, key_matches
+from deployments.api_errors import RequestError
+from deployments.auth import key_matches
+from deployments.requests import PreparedRequest, RequestLayer, collect, delta_error
 from engine.async_engine import AsyncEngine
 from engine.metrics import SpecDecodeStats
 from tandem_proto import tandem_pb2 as pb

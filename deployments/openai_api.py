@@ -24,8 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.app import ServeArgs
 from deployments.lingering import RequestBody, drain_limit
 from deployments.metrics_export import metrics_text
-from deployments.requests import (PreparedRequest, RequestError, RequestLayer, ToolCalls, collect, delta_error,
-                                  key_matches, parse_tool_calls, tool_call_id)
+from deployments.api_errors import RequestError
+from deployments.auth import key_matches
+from deployments.requests import PreparedRequest, RequestLayer, collect, delta_error
+from deployments.tool_calls import ToolCalls, parse_tool_calls, tool_call_id
 from deployments.logprobs import LogprobFormatter
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.output_processor import RequestDelta

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from deployments.requests import RequestError, RequestLayer
+from deployments.api_errors import RequestError
+from deployments.requests import RequestLayer
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig

@@ -20,7 +20,6 @@ tensor-parallel shard that would cut through blocks, a fused q|k|v whose parts d
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine import kernels as cpu_kernels
