@@ -131,7 +131,7 @@ def test_sampled_token_from_an_ahead_block_follows_the_target():
     assert llm.core.scheduler.ahead_used >= 0.1 * n, llm.core.scheduler.ahead_used  # many third tokens came from a block
     ids = llm.get_tokenizer().encode(prompt) + list(pair)
     with torch.no_grad():
-        logits = LLM(model=TARGET).executor.target.worker.forward(static_tables(1, len(ids), 16), [0], [ids])[0, -1]
+        logits = LLM(model=TARGET).core.executor.target.worker.forward(static_tables(1, len(ids), 16), [0], [ids])[0, -1]
     p3 = torch.softmax(logits / temperature, -1).numpy()
     assert chi_squared_pvalue(third, p3) > ALPHA
 
