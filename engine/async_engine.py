@@ -118,21 +118,24 @@ class AsyncEngine:
         serve should be replaced)."""
         if not self.alive():
             return "the engine's step loop is not running"
-        if self.core.stats().rebuild_failed:
+        if self.core.rebuild_failed:
             return "the model groups failed and could not be rebuilt"
         return None
 
     def stats(self) -> EngineStats:
         """The engine's counters now; num_waiting counts requests not yet handed to the step loop too."""
         stats = self.core.stats()
-        queued = sum(isinstance(p, AddRequest) for p in self._pending)
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + queued)
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._queued())
 
     def num_running(self) -> int:
-        return self.core.stats().num_running
+        return self.core.load()[0]
 
     def num_waiting(self) -> int:
-        return self.stats().num_waiting
+        return self.core.load()[1] + self._queued()
+
+    def _queued(self) -> int:
+        """Requests added but not yet handed to the step loop."""
+        return sum(isinstance(p, AddRequest) for p in self._pending)
 
     def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None) -> RequestStream:

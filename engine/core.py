@@ -71,7 +71,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, eos_ids)
         self._grammars_warmed = False
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, max_len)
-        self.scheduler = Scheduler(self.executor, self.tokenizer, eos_ids, config, max_len, self.grammars,
+        self.scheduler = Scheduler(self.executor, eos_ids, config, max_len, self.grammars,
                                    self.outputs, vocab_mapping, draft_limit)
 
     def _fit_cache(self, max_len: int, k: int, explicit: bool) -> int:
@@ -186,8 +186,18 @@ class EngineCore:
         sched = self.scheduler
         caches = {name: CacheStats(kv.pool.usage(), kv.counters.queries, kv.counters.hits, kv.counters.preemptions)
                   for name, kv in (("target", sched.target_kv), ("draft", sched.draft_kv)) if kv is not None}
-        return EngineStats(copy.deepcopy(sched.stats), copy.deepcopy(sched.counters), len(sched.running),
-                           len(sched.waiting), caches, sched.rebuild_failed)
+        running, waiting = self.load()
+        return EngineStats(copy.deepcopy(sched.stats), copy.deepcopy(sched.counters), running, waiting, caches,
+                           self.rebuild_failed)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests now, without copying any counter: for admission and gauges."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    @property
+    def rebuild_failed(self) -> bool:
+        """The model groups failed and could not be rebuilt: this engine can't serve."""
+        return self.scheduler.rebuild_failed
 
     def observe_latency(self, first_token: bool, seconds: float) -> None:
         """A frontend's view of a request's tokens: time to its first, or between two deltas."""

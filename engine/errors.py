@@ -54,10 +54,6 @@ class InvalidRequest(ValueError):
         """An error whose message starts with the field's name: "max_tokens: must be at least 1"."""
         return cls(param, f"{param}: {reason}", reason)
 
-    @property
-    def message(self) -> str:
-        return str(self)
-
 
 class ExecutorError(RuntimeError):
     """A model group failed (a worker died or timed out); in-flight requests cannot continue."""

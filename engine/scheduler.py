@@ -100,12 +100,11 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, executor: Executor, tokenizer, eos_ids: set[int], config: EngineConfig, max_model_len: int,
+    def __init__(self, executor: Executor, eos_ids: set[int], config: EngineConfig, max_model_len: int,
                  grammars: GrammarCompiler, outputs: OutputProcessor, vocab_mapping: VocabMapping | None = None,
                  draft_max_len: int | None = None):
         self.executor = executor
         self.vocab_mapping = vocab_mapping
-        self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.grammars = grammars
         self.outputs = outputs
