@@ -5,11 +5,13 @@ re-reads untyped dicts.
 """
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from engine.config import CpuIsa, Device, Dtype, EngineConfig, GgufWeights, PlacementStrategy, SpeculativeConfig
+from engine.tool_parsers import ToolCallParserName
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
@@ -74,6 +76,36 @@ class ServeArgs(BaseModel):
         "Custom Ray resources each coordinator replica requires, e.g. `{\"tandem_coordinator\": 1}`, to keep "
         "the replicas (and their gRPC servers) on the nodes that have them. Not `CPU` or `GPU`."))
 
+    enable_auto_tool_choice: bool = Field(default=False, description=(
+        "Let the model decide whether to call tools (`tool_choice: \"auto\"`, OpenAI's default when a "
+        "request has `tools`). Needs `tool_call_parser`."))
+    tool_call_parser: ToolCallParserName | None = Field(default=None, description=(
+        "How the model writes tool calls, in vLLM's names: `hermes` (`<tool_call>{...}</tool_call>`: Qwen 2.5 "
+        "and 3, Hermes, SmolLM3), `llama3_json` (Llama 3.1 / 3.2 JSON), `pythonic` (`[f(a=1)]`: Llama 3.2 / 4 "
+        "pythonic, Gemma 3). Once a call begins it is held to the tools' schemas."))
+    chat_template: str | None = Field(default=None, description=(
+        "A Jinja chat template (its text, or a file that holds it) to use instead of the model's own; "
+        "vLLM's `--chat-template`. A template that refers to `tools` renders tools itself."))
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_a_parser(self) -> "ServeArgs":
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (one of "
+                             f"{', '.join(get_args(ToolCallParserName))})")
+        return self
+
+    def chat_template_text(self) -> str | None:
+        """The chat template's text: chat_template itself, or the file it names."""
+        if self.chat_template is None:
+            return None
+        if "{" not in self.chat_template and "\n" not in self.chat_template:
+            path = Path(self.chat_template).expanduser()
+            try:
+                return path.read_text(encoding="utf-8")
+            except OSError as e:
+                raise ValueError(f"chat_template: cannot read the file {self.chat_template!r} ({e.strerror})") from None
+        return self.chat_template
+
     @field_validator("coordinator_resources")
     @classmethod
     def _custom_resources_only(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -107,6 +139,7 @@ def parse_args(args: dict[str, Any]) -> ServeArgs:
         args = {**args, "speculative_config": SpeculativeConfig.model_validate(args["speculative_config"])}
     serve_args = ServeArgs.model_validate(args)
     serve_args.engine_config()  # the engine's own rules, checked before any replica starts
+    serve_args.chat_template_text()  # a template file that can't be read fails here, not in a replica
     return serve_args
 
 

@@ -32,6 +32,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
     from engine.config import Device, Dtype, GgufWeights, PlacementStrategy
     from engine.kernels.targets import CPU_ISA_CHOICES
+    from engine.tool_parsers import ToolCallParserName
 
     p = argparse.ArgumentParser(prog="tandem serve", description="Serve MODEL with an OpenAI-compatible API.")
     p.add_argument("model", help="target model: HF id, local HF directory, .gguf file, or random:<preset>")
@@ -90,6 +91,12 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port, on --host (0: any free port)")
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     p.add_argument("--max-request-bytes", type=int, default=None, help="larger request bodies get 413 (default 4 MiB)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="let the model decide whether to call tools (tool_choice 'auto'); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=list(get_args(ToolCallParserName)),
+                   help="how the model writes tool calls (vLLM's names)")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template (a file, or the template's text) instead of the model's own")
     return p
 
 

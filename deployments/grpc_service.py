@@ -101,7 +101,7 @@ def token_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> lis
 class TandemServicer(pb_grpc.TandemServiceServicer):
     def __init__(self, engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None):
         self.engine, self.args, self.api_key = engine, args, api_key
-        self.layer = RequestLayer(engine, args.model_name, args.model)
+        self.layer = RequestLayer.for_app(engine, args)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:  # noqa: N802
         rid = f"grpc-{uuid.uuid4().hex}"

@@ -27,7 +27,7 @@ from deployments.metrics_export import metrics_text
 from deployments.api_errors import RequestError
 from deployments.auth import key_matches
 from deployments.requests import PreparedRequest, RequestLayer, collect, delta_error
-from deployments.tool_calls import ToolCalls, parse_tool_calls, tool_call_id
+from deployments.tool_calls import ToolCallStream, chat_message
 from deployments.logprobs import LogprobFormatter
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.output_processor import RequestDelta
@@ -137,7 +137,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None = None) -> FastAPI:
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    layer = RequestLayer(engine, args.model_name, args.model)
+    layer = RequestLayer.for_app(engine, args)
     model_name = args.model_name
     created = int(time.time())
     app.add_middleware(EdgeMiddleware, max_request_bytes=args.max_request_bytes, api_key=api_key)
@@ -296,10 +296,7 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
         results = await gather_all(streams)
         choices = []
         for c, r in zip(prepared.choices, results):
-            message, finish = {"role": "assistant", "content": r.text}, openai_finish(r.last.finish_reason)
-            calls = tool_calls_of(prepared.tool_calls, r.text, r.last.finish_reason)
-            if calls is not None:
-                message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            message, finish = chat_message(prepared.tool_calls, r.text, openai_finish(r.last.finish_reason))
             choices.append({"index": c.index, "message": message,
                             "logprobs": fmt.chat(r.token_ids, r.logprobs or []) if c.params.logprobs is not None
                             else None,
@@ -378,50 +375,6 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
                 t.cancel()
 
     return app
-
-
-def tool_calls_of(mode: ToolCalls | None, text: str, finish: str | None) -> list[dict] | None:
-    """A finished choice's tool calls; None when it has none (no tools asked for, or cut short: then
-    its text is the answer's content)."""
-    if mode is None or finish != "stop":
-        return None
-    return parse_tool_calls(mode, text)
-
-
-class ToolCallStream:
-    """One streamed choice's text as OpenAI streams tool calls. A named function's arguments stream
-    as they come (the call's id and name first); 'required' calls come whole once the array is
-    complete. A choice cut short (length) ends with its text as content."""
-
-    def __init__(self, mode: ToolCalls):
-        self.mode, self.text, self.started = mode, "", False
-
-    def feed(self, text: str, finish: str | None, logprobs: dict | None) -> list[tuple[dict, str | None, dict | None]]:
-        """(delta, finish_reason, logprobs) for each chunk to send."""
-        self.text += text
-        out: list[tuple[dict, str | None, dict | None]] = []
-        if self.mode.kind == "named":
-            if not self.started:
-                self.started = True
-                out.append(({"tool_calls": [{"index": 0, "id": tool_call_id(), "type": "function",
-                                             "function": {"name": self.mode.name, "arguments": ""}}]}, None, None))
-            if text or logprobs is not None:
-                out.append(({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {},
-                            None, logprobs))
-            if finish is not None:
-                calls = tool_calls_of(self.mode, self.text, finish)
-                out.append(({}, "tool_calls" if calls is not None else finish, None))
-            return out
-        if logprobs is not None:  # 'required': the text is held back until the array is whole
-            out.append(({}, None, logprobs))
-        if finish is not None:
-            calls = tool_calls_of(self.mode, self.text, finish)
-            if calls is None:
-                out.append(({"content": self.text} if self.text else {}, finish, None))
-            else:
-                out.append(({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, None, None))
-                out.append(({}, "tool_calls", None))
-        return out
 
 
 async def gather_all(streams: list[RequestStream]):

@@ -10,9 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from deployments.api_errors import bad_request, printable, validation_error
 from deployments.tool_calls import (AUTO_TOOL_CHOICE, NamedToolChoice, Tool, ToolCalls, check_tools,
-                                    parameters_schema, required_tools_schema, tool_params)
+                                    parameters_schema, required_tools_schema, tool_params, tool_specs)
 from engine.config import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.structured import StructuredOutputsParams
+from engine.tool_parsers import ToolFormat
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
@@ -145,12 +146,29 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for completions
 
 
+class MessageToolCall(BaseModel):
+    """A call in an earlier assistant turn, as OpenAI's message.tool_calls gives it back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    class Function(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+        arguments: str  # JSON text of an object, as the API returned it
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: Function
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant turn that only calls tools
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = Field(default=None, max_length=256)  # a tool turn: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -162,6 +180,8 @@ class ChatMessage(BaseModel):
         return content
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part["text"] for part in self.content)
@@ -181,9 +201,9 @@ class ChatCompletionRequest(SamplingFields):
     def check_tools(self) -> None:
         check_tools(self.tools or [])
 
-    def tool_calls(self) -> tuple[Structured | None, ToolCalls | None]:
+    def tool_calls(self, auto: ToolFormat | None = None) -> tuple[Structured | None, ToolCalls | None]:
         """The grammar tool_choice holds the output to, and how its text becomes calls; (None, None)
-        for plain text."""
+        for plain text. `auto`: the server's tool-call format when it lets the model choose."""
         self.check_tools()
         tools, choice = self.tools or [], self.tool_choice
         if choice is None and not tools or choice == "none":
@@ -191,7 +211,11 @@ class ChatCompletionRequest(SamplingFields):
         if not tools:
             raise bad_request("tool_choice needs tools", param="tool_choice")
         if choice is None or choice == "auto":
-            raise bad_request(AUTO_TOOL_CHOICE, param="tool_choice")
+            if auto is None:
+                raise bad_request(AUTO_TOOL_CHOICE, param="tool_choice")
+            grammar = auto.grammar(tool_specs(tools), self.parallel_tool_calls is not False)
+            return (Structured(StructuredOutputsParams(grammar=grammar), "tools", "tools"),
+                    ToolCalls("auto", format=auto))
         if choice == "required":
             schema = required_tools_schema(tools, self.parallel_tool_calls is False)
             return Structured(tool_params(schema, "tools"), "tools", "tools"), ToolCalls("required")

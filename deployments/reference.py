@@ -44,6 +44,9 @@ SERVING_ONLY: dict[str, str] = {
     "max_request_bytes": "a limit of the HTTP front end, checked before a request reaches the engine",
     "max_queued_requests": "admission of the serving engine (AsyncEngine); an offline LLM queues every prompt",
     "coordinator_resources": "where Ray Serve places the coordinator replicas",
+    "enable_auto_tool_choice": "tool_choice is a chat API field; offline, LLM.chat(tools=...) lets the model choose",
+    "tool_call_parser": "tool_choice is a chat API field; offline, LLM.chat takes tool_parser",
+    "chat_template": "chat templates are applied by the request layer; offline, LLM.chat takes chat_template",
 }
 
 # `tandem serve` flags that set no serve arg of their own name: what each sets, and why.

@@ -18,13 +18,14 @@ from deployments.api_errors import RequestError, bad_request, printable, validat
 from deployments.protocol import (MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   Structured, TokenizeRequest, parse_json, valid_unicode)
 from deployments.tokenizer_info import tokenizer_info
-from deployments.tool_calls import ToolCalls
+from deployments.tool_calls import ToolCalls, conversation
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from engine.chat import chat_prompt_ids, end_of_turn_ids
 from engine.config import SamplingParams
 from engine.core import TokenizedPrompt
 from engine.errors import INTERNAL_ERROR, ErrorKind, InvalidRequest
 from engine.output_processor import RequestDelta
+from engine.tool_parsers import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,12 @@ class PreparedRequest:
 
 
 class RequestLayer:
-    def __init__(self, engine: AsyncEngine, model_name: str, model_root: str, prepare_threads: int = 2):
+    def __init__(self, engine: AsyncEngine, model_name: str, model_root: str, prepare_threads: int = 2,
+                 tool_format: ToolFormat | None = None, chat_template: str | None = None):
+        """`tool_format`: how the model writes calls when it may choose to (tool_choice 'auto'; None: off).
+        `chat_template`: a template to use instead of the model's."""
         self.engine, self.model_name, self.model_root = engine, model_name, model_root
+        self.tool_format, self.chat_template = tool_format, chat_template
         # its own small pool: a flood of big requests queues here instead of taking every thread
         # the process shares (and the GIL-bound parts can't use more than a couple anyway)
         self._pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="tandem-prepare")
@@ -66,6 +71,13 @@ class RequestLayer:
         # than fit, so it is refused without being tokenized.
         self.max_token_bytes = max(len(t.encode("utf-8", "replace")) for t in self.tokenizer.get_vocab())
         self._tokenizer_info: dict | None = None
+
+    @classmethod
+    def for_app(cls, engine: AsyncEngine, args) -> "RequestLayer":
+        """The layer an application's args (deployments.app.ServeArgs) describe."""
+        return cls(engine, args.model_name, args.model,
+                   tool_format=tool_format(args.tool_call_parser) if args.enable_auto_tool_choice else None,
+                   chat_template=args.chat_template_text())
 
     # -- parsing (worker thread) ---------------------------------------------------------------
 
@@ -112,12 +124,10 @@ class RequestLayer:
             self._check_text_bytes(len(req.prompt.encode("utf-8")))  # no tokenizing what can't fit
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            if not all(valid_unicode(m["content"]) for m in messages):
-                raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
-            self._check_text_bytes(sum(len(m["content"].encode("utf-8")) for m in messages))
+            messages = self._conversation(req.messages)
             try:
-                ids = chat_prompt_ids(self.tokenizer, messages, req.add_generation_prompt)
+                ids = chat_prompt_ids(self.tokenizer, messages, req.add_generation_prompt, tool_format=self.tool_format,
+                                      chat_template=self.chat_template)
             except ValueError as e:
                 log.info("chat template failed: %s", e)
                 raise bad_request("messages could not be formatted with the model's chat template",
@@ -181,19 +191,18 @@ class RequestLayer:
         if len(req.messages) >= self.engine.max_model_len:  # each message costs at least one token
             raise bad_request(f"messages: {len(req.messages)} messages cannot fit in this model's maximum "
                               f"context length of {self.engine.max_model_len} tokens", param="messages")
-        structured, tool_calls = req.tool_calls()
+        structured, tool_calls = req.tool_calls(self.tool_format)
         requested = req.structured()
         if structured is not None and requested is not None:
-            raise bad_request(f"tool_choice '{'required' if tool_calls.kind == 'required' else 'function'}' holds "
-                              f"the output to the tools' schemas; it cannot be combined with {requested.param}",
-                              param=requested.param)
+            choice = {"required": "'required'", "named": "naming a function", "auto": "'auto'"}[tool_calls.kind]
+            raise bad_request(f"tool_choice {choice} holds the output to the tools' schemas; it cannot be combined "
+                              f"with {requested.param}", param=requested.param)
         structured = structured or requested
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        if not all(valid_unicode(m["content"]) for m in messages):
-            raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
-        self._check_text_bytes(sum(len(m["content"].encode("utf-8")) for m in messages))
+        messages = self._conversation(req.messages)
         try:
-            ids = chat_prompt_ids(self.tokenizer, messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []])
+            ids = chat_prompt_ids(self.tokenizer, messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+                                  tool_format=self.tool_format, chat_template=self.chat_template,
+                                  tool_instructions=tool_calls is not None and tool_calls.kind == "auto")
         except ValueError as e:
             log.info("chat template failed: %s", e)
             raise bad_request("messages could not be formatted with the model's chat template",
@@ -209,6 +218,14 @@ class RequestLayer:
             self._check(prompt, params, structured)
             choices.append(Choice(j, prompt, params))
         return choices, tool_calls
+
+    def _conversation(self, messages: list) -> list[dict]:
+        """The messages checked (tool turns, Unicode, size) into the chat template's input."""
+        texts = [m.text() for m in messages] + [c.function.arguments for m in messages for c in m.tool_calls or []]
+        if not all(valid_unicode(t) for t in texts):
+            raise bad_request("messages must be valid Unicode (no lone surrogates)", param="messages")
+        self._check_text_bytes(sum(len(t.encode("utf-8")) for t in texts))
+        return conversation(messages)
 
     def _tokenize(self, prompt: str | list[int]) -> TokenizedPrompt:
         if isinstance(prompt, str):

@@ -38,6 +38,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None  # with SamplingParams(logprobs=N)
     cumulative_logprob: float | None = None
+    # LLM.chat with tools: the calls the answer made ({"name", "arguments": JSON text}) and its text
+    # besides them; None without tools
+    tool_calls: list[dict] | None = None
+    content: str | None = None
 
 
 @dataclass
@@ -158,18 +162,46 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, *, tools: list[dict] | None = None, tool_parser: str = "hermes",
+             parallel_tool_calls: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation ([{"role": ..., "content": ...}, ...]) or a list of them, through the
         model's chat template (generation prompt added); a reply ends at the model's end-of-turn
-        token, as on the server."""
+        token, as on the server.
+
+        `tools` (OpenAI's function tools) lets the model call them as the server's tool_choice 'auto'
+        does: in `tool_parser`'s format, held to the tools' schemas once a call begins; each output's
+        `tool_calls` and `content` say what it called and wrote."""
+        from engine.structured import StructuredOutputsParams
+        from engine.tool_parsers import ToolSpec, tool_format
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": chat_prompt_ids(self.tokenizer, [dict(m) for m in c])} for c in conversations]
+        fmt = tool_format(tool_parser) if tools else None
+        prompts = [{"prompt_token_ids": chat_prompt_ids(
+            self.tokenizer, [dict(m) for m in c], tools=tools, tool_format=fmt, tool_instructions=bool(tools),
+            chat_template=chat_template, template_kwargs=chat_template_kwargs)} for c in conversations]
         if sampling_params is None:
             sampling_params = SamplingParams()
         turn_end = end_of_turn_ids(self.tokenizer)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        params = [p.model_copy(update={"stop_token_ids": list(p.stop_token_ids) + turn_end}) for p in params]
-        return self.generate(prompts, params, use_tqdm)
+        update: dict = {}
+        if fmt is not None:
+            specs = [ToolSpec(t["function"]["name"], t["function"].get("parameters") or
+                              {"type": "object", "properties": {}}) for t in tools]
+            update["structured_outputs"] = StructuredOutputsParams(grammar=fmt.grammar(specs, parallel_tool_calls))
+            if any(p.structured_outputs is not None for p in params):
+                raise ValueError("chat: tools hold the output to their grammar; give no structured_outputs with them")
+        params = [p.model_copy(update={**update, "stop_token_ids": list(p.stop_token_ids) + turn_end}) for p in params]
+        outputs = self.generate(prompts, params, use_tqdm)
+        if fmt is not None:
+            for request in outputs:
+                for out in request.outputs:
+                    parser = fmt.parser()
+                    parser.feed(out.text)
+                    parser.finish()
+                    out.tool_calls = [{"name": c.name, "arguments": c.arguments} for c in parser.calls]
+                    out.content = parser.content
+        return outputs
 
 
 def samples(params: SamplingParams) -> list[SamplingParams]:

@@ -32,6 +32,11 @@ MAX_CHOICES = 4096
 LEXER_FUEL = 10_000_000
 STEP_LEXER_FUEL = 200_000
 MAX_GRAMMAR_SIZE = 2_000_000
+# JSON's whitespace when a request names none: a space, or a line break and an indent (pretty-printed
+# JSON), between two tokens; never the unbounded run llguidance otherwise allows, in which a weak model
+# (or a sampled one) can spend its whole max_tokens (llama.cpp's schema grammars bound it the same
+# way). `whitespace_pattern` opts out, e.g. "[ \t\n\r]*".
+DEFAULT_JSON_WHITESPACE = "(?: ?|\n{1,2}[ \t]{0,20})"
 COMPILED_CACHE = 256  # grammars kept compiled (or refused), least recently used out
 # Each worker builds a request's grammar again (on its step, the first time it sees it): a grammar
 # slower than this to compile at the edge is refused, so no request can stall the others for longer.
@@ -48,7 +53,7 @@ class StructuredOutputsParams:
     grammar: str | None = None  # Lark (llguidance's dialect) or GBNF/EBNF (llama.cpp's)
     json_object: bool | None = None  # any JSON object
     disable_any_whitespace: bool = False  # JSON without whitespace between tokens
-    whitespace_pattern: str | None = None  # JSON whitespace as this regex
+    whitespace_pattern: str | None = None  # JSON whitespace as this regex (None: DEFAULT_JSON_WHITESPACE)
 
     @model_validator(mode="after")
     def _one_kind(self) -> "StructuredOutputsParams":
@@ -84,8 +89,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         options: dict[str, Any] = {}
         if params.disable_any_whitespace:
             options["whitespace_flexible"] = False
-        elif params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
+        else:
+            options["whitespace_pattern"] = params.whitespace_pattern or DEFAULT_JSON_WHITESPACE
         try:
             return LLMatcher.grammar_from_json_schema(text, overrides=options or None)
         except ValueError as e:
