@@ -300,7 +300,7 @@ class JsonCallParser(ToolCallParser):
         self.tail = re.compile(r"\s*\}" + (r"\s*" + re.escape(fmt.closing.strip()) if fmt.closing.strip() else ""))
         self.state = "text" if fmt.trigger else "start"
         self.scanner: JsonScanner | None = None
-        self.held = ""  # text of a call not yet known to be one (a trigger and an opening)
+        self.call_from = 0  # where the text of a call not yet known to be one begins
 
     def _step(self) -> bool:
         text, trigger = self.text, self.fmt.trigger
@@ -308,12 +308,14 @@ class JsonCallParser(ToolCallParser):
             if self.pos == len(text):
                 return False
             self.state = "head" if text[self.pos] == "{" else "raw"
-            self.raw = self.state == "raw"
+            self.raw, self.call_from = self.state == "raw", self.pos
             return True
         if self.state == "text":
             found = text.find(trigger, self.pos)
             if found >= 0:
-                self._say(text[self.pos:found].rstrip())
+                before = text[self.pos:found].rstrip()  # whitespace before a call is no content
+                self._say(before)
+                self.call_from = self.pos + len(before)
                 self.pos, self.state = found + len(trigger), "head"
                 return True
             # say all but a possible trigger's beginning, and whitespace that may come before a call
@@ -347,7 +349,7 @@ class JsonCallParser(ToolCallParser):
             if end is None:
                 return False
             if end < 0:
-                self.raw = True  # not an object: the rest is content
+                self.raw, self.state = True, "raw"  # not an object: the rest is content
                 return False
             self.calls[-1].complete, self.state = False, "tail"
             return True
@@ -355,7 +357,7 @@ class JsonCallParser(ToolCallParser):
             m = self.tail.match(text, self.pos)
             if m is None:
                 if len(text) - self.pos > MAX_HEAD_CHARS:
-                    self.raw = True
+                    self.raw, self.state = True, "raw"
                 return False
             self.calls[-1].complete = True
             self.pos, self.state = m.end(), "between"
@@ -368,19 +370,21 @@ class JsonCallParser(ToolCallParser):
                 return False
             nxt = trigger or "{"
             if after.startswith(nxt):
+                self.call_from = self.pos
                 self.pos += len(lead) + (len(trigger) if trigger else 0)
                 self.state = "head"
                 return True
             if nxt.startswith(after):
                 return False
-            self.raw = True  # text after the calls: content
+            self.raw, self.state = True, "raw"  # text after the calls: content
             return False
         return False
 
     def _malformed(self) -> None:
         """What looked like a call's opening is not one: it is content after all."""
-        start = self.pos - (len(self.fmt.trigger) if self.fmt.trigger and self.state == "head" else 0)
-        self.pos, self.raw = max(0, start), True
+        if self.state == "head":
+            self.pos = self.call_from
+        self.raw, self.state = True, "raw"
 
     def _finish(self) -> None:
         if self.state == "head":
@@ -400,6 +404,7 @@ class PythonicParser(ToolCallParser):
     def __init__(self):
         super().__init__()
         self.state = "start"
+        self.reader: _CallReader | None = None  # the call being read
 
     def _step(self) -> bool:
         text = self.text
@@ -407,7 +412,7 @@ class PythonicParser(ToolCallParser):
             if self.pos == len(text):
                 return False
             if text[self.pos] != "[":
-                self.raw = True
+                self.raw, self.state = True, "raw"
                 return False
             self.state, self.begin = "calls", self.pos
             self.cursor = self.pos + 1
@@ -416,7 +421,9 @@ class PythonicParser(ToolCallParser):
             if len(self.calls) >= MAX_CALLS:
                 self._malformed()
                 return False
-            parsed = _python_call(text, self.cursor)
+            if self.reader is None:
+                self.reader = _CallReader(self.cursor)
+            parsed = self.reader.read(text)
             if parsed is None:
                 return False
             if parsed == -1:
@@ -429,13 +436,13 @@ class PythonicParser(ToolCallParser):
                     self._malformed()
                 return False
             self._say_call(name, args)
-            self.cursor = m.end()
+            self.cursor, self.reader = m.end(), None
             if m.group(1) == "]":
                 self.pos, self.state = m.end(), "done"
             return True
         if self.state == "done":
             if text[self.pos:].strip():
-                self.raw = True  # text after the list: content
+                self.raw, self.state = True, "raw"  # text after the list: content
             else:
                 self.pos = len(text)
             return False
@@ -450,14 +457,14 @@ class PythonicParser(ToolCallParser):
         # calls already said stay calls; the text from the first unreadable one on is content
         if self.calls and self.state == "calls":
             self.pos = self.cursor
-        else:
+        elif self.state == "calls":
             self.pos = self.begin
-        self.raw = True
+        self.raw, self.state = True, "raw"
 
     def _finish(self) -> None:
         if self.state != "calls":
             return
-        parsed = _python_call(self.text, self.cursor) if len(self.calls) < MAX_CALLS else -1
+        parsed = (self.reader or _CallReader(self.cursor)).read(self.text) if len(self.calls) < MAX_CALLS else -1
         if parsed not in (None, -1) and not self.text[parsed[2]:].strip():
             self._say_call(parsed[0], parsed[1])  # a whole call whose list was cut short
             self.cursor = len(self.text)
@@ -467,37 +474,47 @@ class PythonicParser(ToolCallParser):
 _LIST_GOES_ON = re.compile(r"\s*(,|\])")
 
 
-def _python_call(text: str, i: int):
-    """(name, arguments, end) for a whole call at i; None: not yet whole; -1: not a call."""
-    m = PythonicParser.CALL.match(text, i)
-    if m is None:
-        return None if _could_begin_python(text[i:]) else -1
-    name, i, args = m.group(1), m.end(), {}
-    first = True
-    while True:
-        ws = _WS.match(text, i).end()
-        if ws == len(text):
-            return None
-        if text[ws] == ")":
-            return name, args, ws + 1
-        if not first:
-            if text[ws] != ",":
+class _CallReader:
+    """Reads one pythonic call from `start`, resuming where the last read stopped (linear in the
+    call's text however it arrives). read() -> (name, arguments, end) once the call is whole; None:
+    not yet; -1: not a call."""
+
+    def __init__(self, start: int):
+        self.i, self.name, self.args, self.first = start, None, {}, True
+        self.key, self.value_start, self.scanner = None, 0, None
+
+    def read(self, text: str):
+        if self.name is None:
+            m = PythonicParser.CALL.match(text, self.i)
+            if m is None:
+                return None if _could_begin_python(text[self.i:self.i + 80]) else -1
+            self.name, self.i = m.group(1), m.end()
+        while True:
+            if self.scanner is None:
+                ws = _WS.match(text, self.i).end()
+                if ws == len(text):
+                    return None
+                if text[ws] == ")":
+                    return self.name, self.args, ws + 1
+                if not self.first:
+                    if text[ws] != ",":
+                        return -1
+                    ws += 1
+                k = PythonicParser.KEY.match(text, ws)
+                if k is None:
+                    rest = text[ws:ws + 80].strip()
+                    return None if len(rest) < 70 and re.fullmatch(r"[A-Za-z0-9_]*\s*", rest) else -1
+                self.key, self.value_start, self.scanner = k.group(1), k.end(), JsonScanner(objects_only=False)
+            end = self.scanner.scan(text, self.value_start)
+            if end is None:
+                return None
+            if end < 0:
                 return -1
-            ws += 1
-        k = PythonicParser.KEY.match(text, ws)
-        if k is None:
-            rest = text[ws:].strip()
-            return None if len(rest) < 70 and re.fullmatch(r"[A-Za-z0-9_]*\s*", rest) else -1
-        end = JsonScanner(objects_only=False).scan(text, k.end())
-        if end is None:
-            return None
-        if end < 0:
-            return -1
-        value = _python_literal(text[k.end():end])
-        if value is _NOT_A_VALUE:
-            return -1
-        args[k.group(1)] = value
-        i, first = end, False
+            value = _python_literal(text[self.value_start:end])
+            if value is _NOT_A_VALUE:
+                return -1
+            self.args[self.key] = value
+            self.i, self.first, self.scanner = end, False, None
 
 
 _NOT_A_VALUE = object()
