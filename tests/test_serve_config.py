@@ -147,6 +147,40 @@ def test_json_schema_and_tool_calls_on_the_default_app(client):
     jsonschema.validate(json.loads(tool_call.function.arguments), PERSON)
 
 
+def test_auto_tool_calls_on_the_default_app_are_lossless(client):
+    """tool_choice 'auto' on the shipped config (pythonic calls): a call forced by a logit_bias on '['
+    names a tool and validates against its schema; greedy, it is the call offline plain decoding of
+    the same conversation makes (LLM.chat with the same tools and parser): speculation through TLI
+    drafts checked against the lazy grammar changes nothing."""
+    import json
+
+    import jsonschema
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+               "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": weather}}]
+    messages = [{"role": "user", "content": "What's the weather in Rome for the next 2 days?"}]
+    plain = LLM(model=GEMMA3, max_model_len=1024)
+    [bracket] = plain.get_tokenizer().encode("[", add_special_tokens=False)
+    served = client.chat.completions.create(model=GEMMA3, messages=messages, tools=tools, temperature=0, max_tokens=40,
+                                            logit_bias={str(bracket): 30}).choices[0]
+    assert served.finish_reason == "tool_calls" and served.message.content is None
+    (call,) = served.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), weather)
+    offline = plain.chat(messages, SamplingParams(temperature=0, max_tokens=40, logit_bias={bracket: 30}), tools=tools,
+                         tool_parser="pythonic")[0].outputs[0]
+    assert offline.tool_calls == [{"name": call.function.name, "arguments": call.function.arguments}]
+    unforced = client.chat.completions.create(model=GEMMA3, messages=messages, tools=tools, temperature=0,
+                                              max_tokens=24).choices[0]
+    text = plain.chat(messages, SamplingParams(temperature=0, max_tokens=24), tools=tools,
+                      tool_parser="pythonic")[0].outputs[0]
+    assert (unforced.message.content, [c.function.name for c in unforced.message.tool_calls or []]) == \
+        (text.content, [c["name"] for c in text.tool_calls])
+
+
 def test_tokenized_prompt_completes_as_the_text_with_one_bos(server, client):
     """A remote-tokenizer client (lm-evaluation-harness's) reads /tokenizer_info, tokenizes through
     /tokenize and sends token ids: it gets the text's greedy completion, with Gemma's BOS once."""

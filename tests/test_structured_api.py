@@ -1,6 +1,7 @@
 """Structured outputs and tool calls over HTTP (the official openai client) and gRPC, against a real
 server (Ray Serve on 127.0.0.1, its own free ports): response_format, vLLM's structured_outputs,
-tool_choice 'required' and named, and the errors of each. The tiny random model's text is random,
+tool_choice 'required', named and 'auto' (pythonic calls), tool results in the conversation, and the
+errors of each. The tiny random model's text is random,
 but held to the grammar, which is what these tests check."""
 import asyncio
 import json
@@ -48,7 +49,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 @pytest.fixture(scope="module")
 def server():
     args = {"model": TARGET, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "served_model_name": M,
-            "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3}}
+            "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3},
+            "enable_auto_tool_choice": True, "tool_call_parser": "pythonic"}
     with serve_app("structured", args) as (base, grpc_address):
         channel = grpc.insecure_channel(grpc_address)
         yield {"base": base, "stub": tandem_pb2_grpc.TandemServiceStub(channel)}
@@ -341,10 +343,9 @@ def test_tool_choice_none_is_plain_text(client):
 
 
 def test_tool_errors(client):
-    e = bad_request(lambda: client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice="auto"))
-    assert e.body["param"] == "tool_choice" and "auto" in e.body["message"] and "required" in e.body["message"]
-    e = bad_request(lambda: client.chat.completions.create(model=M, messages=MSG, tools=TOOLS))  # auto by default
-    assert e.body["param"] == "tool_choice" and "default" in e.body["message"]
+    e = bad_request(lambda: client.chat.completions.create(
+        model=M, messages=MSG, tools=TOOLS, response_format={"type": "json_object"}))  # auto by default
+    assert e.body["param"] == "response_format" and "auto" in e.body["message"]
     e = bad_request(lambda: client.chat.completions.create(
         model=M, messages=MSG, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}))
     assert e.body["param"] == "tool_choice" and "nope" in e.body["message"]
@@ -397,3 +398,93 @@ def test_grpc_structured_outputs(server):
             stub.Generate(pb.GenerateRequest(model=M, prompt="x", structured_outputs=bad), timeout=60)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "structured_outputs" in info.value.details() and not INTERNALS.search(info.value.details())
+
+
+# -- tool_choice 'auto' (pythonic calls: an answer that begins with '[' is a list of calls) ----------
+
+@pytest.fixture(scope="module")
+def bracket(server) -> dict:
+    """A logit_bias that makes the random model begin its answer with '[': a call, then held to the tools."""
+    [token] = httpx.post(f"{server['base']}/tokenize", json={"prompt": "[", "add_special_tokens": False}).json()["tokens"]
+    return {str(token): 100}
+
+
+def check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_auto_tool_choice_calls_tools_that_validate_or_answers_in_text(client, bracket):
+    for seed in range(3):
+        chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, max_tokens=200, temperature=1,
+                                              seed=seed, logit_bias=bracket)
+        choice = chat.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        check_calls(choice.message.tool_calls)
+    texts = 0
+    for seed in range(6):  # unforced: the random model mostly writes text; either way it's well formed
+        chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, tool_choice="auto", max_tokens=30,
+                                              temperature=1, seed=seed)
+        choice = chat.choices[0]
+        if choice.message.tool_calls:
+            check_calls(choice.message.tool_calls)
+        else:
+            texts += 1
+            assert choice.finish_reason in ("stop", "length") and not choice.message.content.startswith("[")
+    assert texts
+
+
+def test_auto_tool_calls_stream_as_openai_streams_them(client, bracket):
+    kw = dict(model=M, messages=MSG, tools=TOOLS, max_tokens=200, temperature=1, seed=5, logit_bias=bracket)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        delta = c.choices[0].delta
+        assert not delta.content  # the '[' and the calls' text never come as content
+        for d in delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            assert d.id is None or d.id == entry["id"]
+            entry["arguments"] += d.function.arguments or ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == \
+        [(t.function.name, json.loads(t.function.arguments)) for t in whole]
+    assert len({entry["id"] for entry in calls.values()}) == len(calls)
+
+
+def test_parallel_tool_calls_false_makes_at_most_one_call(client, bracket):
+    for seed in range(3):
+        chat = client.chat.completions.create(model=M, messages=MSG, tools=TOOLS, max_tokens=200, temperature=1,
+                                              seed=seed, logit_bias=bracket, parallel_tool_calls=False)
+        assert len(chat.choices[0].message.tool_calls) == 1
+        check_calls(chat.choices[0].message.tool_calls)
+
+
+def test_a_tool_loop_call_then_result_then_answer(client, bracket):
+    tools = TOOLS[1:]  # one tool: the tools' listing and the loop fit this character model's 1024 tokens
+    first = client.chat.completions.create(model=M, messages=MSG, tools=tools, max_tokens=60, temperature=1, seed=1,
+                                           logit_bias=bracket).choices[0].message
+    check_calls(first.tool_calls)
+    messages = MSG + [first.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": call.id, "content": "UTC+1"} for call in first.tool_calls]
+    answer = client.chat.completions.create(model=M, messages=messages, tools=tools, max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the call and its result went into the prompt
+    alone = client.chat.completions.create(model=M, messages=MSG, tools=tools, max_tokens=1).usage.prompt_tokens
+    assert answer.usage.prompt_tokens >= alone + len("<tool_response>UTC+1</tool_response>get_time()")
+
+
+def test_bad_tool_messages_get_400_naming_the_field(client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    cases = [
+        (MSG + [{"role": "tool", "tool_call_id": "call_1", "content": "x"}], "messages[1]"),
+        (MSG + [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_2", "content": "x"}],
+         "messages[2].tool_call_id"),
+        (MSG + [{"role": "assistant", "tool_calls": [{**call, "function": {"name": "get_time", "arguments": "{"}}]}],
+         "messages[1].tool_calls[0].function.arguments"),
+    ]
+    for messages, param in cases:
+        e = bad_request(lambda: client.chat.completions.create(model=M, messages=messages, tools=TOOLS, max_tokens=4))
+        assert e.body["param"] == param, e.body
