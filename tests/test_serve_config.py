@@ -181,6 +181,64 @@ def test_auto_tool_calls_on_the_default_app_are_lossless(client):
         (text.content, [c["name"] for c in text.tool_calls])
 
 
+def test_pydantic_ai_agent_runs_a_tool_loop_against_the_default_app(server):
+    """An agent framework, unmodified (pydantic-ai: typed tools from Python functions, OpenAI's wire
+    format, the loop run for you; pinned in the test extra), against the default app: the model calls
+    the tool, the framework runs it and sends the result back as a tool message, the model answers.
+    Gemma 3 270M does not call tools unprompted, and once shown a call it calls again and again, so
+    the test's HTTP transport steers it with a logit_bias on '[' (pythonic calls begin with it): for
+    it in the first request, against it once a tool result is in the conversation. The framework
+    sees an ordinary server."""
+    import asyncio
+    import json
+    from typing import Literal
+
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ToolCallPart, ToolReturnPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    [bracket] = httpx.post(f"{server.base}/tokenize", json={"prompt": "[", "add_special_tokens": False}).json()["tokens"]
+    bodies: list[dict] = []
+
+    class FirstCallBiased(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            bodies.append(body)
+            answered = any(m.get("role") == "tool" for m in body.get("messages", []))
+            if body.get("messages") is not None:
+                body["logit_bias"] = {str(bracket): -100 if answered else 30}
+                content = json.dumps(body).encode()
+                request = httpx.Request(request.method, request.url, content=content,
+                                        headers={**request.headers, "content-length": str(len(content))})
+            return await super().handle_async_request(request)
+
+    calls: list[str] = []
+
+    async def run():
+        async with httpx.AsyncClient(transport=FirstCallBiased(), timeout=300) as http:
+            model = OpenAIChatModel(GEMMA3, provider=OpenAIProvider(base_url=f"{server.base}/v1", api_key="EMPTY",
+                                                                    http_client=http))
+            agent = Agent(model, model_settings={"temperature": 0, "max_tokens": 40, "parallel_tool_calls": False})
+
+            @agent.tool_plain  # an enum, so the bias on '[' can't fill a string argument
+            def get_weather(city: Literal["Paris", "Rome", "Tokyo"]) -> str:
+                """The weather in a city."""
+                calls.append(city)
+                return f"Sunny and 21 C in {city}."
+
+            return await agent.run("What's the weather in Paris?")
+
+    result = asyncio.run(run())
+    assert len(calls) == 1 and calls[0] in ("Paris", "Rome", "Tokyo")  # the tool ran once, with the model's argument
+    parts = [p for m in result.all_messages() for p in m.parts]
+    assert any(isinstance(p, ToolCallPart) and p.tool_name == "get_weather" for p in parts)
+    assert any(isinstance(p, ToolReturnPart) and "Sunny" in str(p.content) for p in parts)
+    assert isinstance(result.output, str)
+    assert bodies[0]["tools"][0]["function"]["name"] == "get_weather" and len(bodies) == 2
+    assert [m["role"] for m in bodies[1]["messages"]][-2:] == ["assistant", "tool"]
+
+
 def test_tokenized_prompt_completes_as_the_text_with_one_bos(server, client):
     """A remote-tokenizer client (lm-evaluation-harness's) reads /tokenizer_info, tokenizes through
     /tokenize and sends token ids: it gets the text's greedy completion, with Gemma's BOS once."""
