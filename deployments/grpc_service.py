@@ -7,6 +7,7 @@ interface and does not reliably abort a cancelled stream; here the call's done-c
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import uuid
@@ -19,6 +20,7 @@ from deployments.app import ServeArgs
 from deployments.api_errors import RequestError
 from deployments.auth import key_matches
 from deployments.requests import PreparedRequest, RequestLayer, collect, delta_error
+from deployments.tool_calls import ToolCallStream, chat_message
 from engine.async_engine import AsyncEngine
 from engine.metrics import SpecDecodeStats
 from tandem_proto import tandem_pb2 as pb
@@ -42,8 +44,11 @@ def request_body(request: pb.GenerateRequest) -> tuple[str, dict]:
     body: dict = {"model": request.model}
     if request.messages:
         kind = "chat"
-        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        body["messages"] = [chat_message_body(m) for m in request.messages]
+        body.update(tools_body(request))
     else:
+        if request.tools or request.tool_choice or request.tool_choice_function or request.HasField("parallel_tool_calls"):
+            raise RequestError(400, "tools: only with messages, not prompts", param="tools")
         kind = "completion"
         body["prompt"] = request.prompt or list(request.prompt_token_ids)
     for name in OPTIONAL_FIELDS:
@@ -71,6 +76,44 @@ def request_body(request: pb.GenerateRequest) -> tuple[str, dict]:
     if request.HasField("structured_outputs"):
         body["structured_outputs"] = structured_outputs(request.structured_outputs)
     return kind, body
+
+
+def chat_message_body(m: pb.ChatMessage) -> dict:
+    message: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in m.tool_calls]
+        message["content"] = m.content or None
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def tools_body(request: pb.GenerateRequest) -> dict:
+    """The request's tools as the chat API's fields."""
+    body: dict = {}
+    if request.tools:
+        tools = []
+        for i, tool in enumerate(request.tools):
+            function: dict = {"name": tool.name}
+            if tool.description:
+                function["description"] = tool.description
+            if tool.parameters:
+                try:
+                    function["parameters"] = json.loads(tool.parameters)
+                except (ValueError, RecursionError):
+                    raise RequestError(400, f"tools[{i}].parameters is not JSON", param="tools") from None
+            tools.append({"type": "function", "function": function})
+        body["tools"] = tools
+    if request.tool_choice and request.tool_choice_function:
+        raise RequestError(400, "give at most one of tool_choice, tool_choice_function", param="tool_choice")
+    if request.tool_choice:
+        body["tool_choice"] = request.tool_choice
+    if request.tool_choice_function:
+        body["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice_function}}
+    if request.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = request.parallel_tool_calls
+    return body
 
 
 def structured_outputs(so: pb.StructuredOutputs) -> dict:
@@ -115,7 +158,13 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
         except Exception as e:  # noqa: BLE001 - grpc.aio would put the exception's text in the status
             await _internal(context, e, rid)
         tok = self.engine.tokenizer
-        return pb.GenerateResponse(text=done.text, token_ids=done.token_ids, finish_reason=done.last.finish_reason,
+        text, finish, calls = done.text, done.last.finish_reason, []
+        if prepared.tool_calls is not None:
+            message, finish = chat_message(prepared.tool_calls, done.text, finish)
+            text = message["content"] or ""
+            calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                     for c in message.get("tool_calls") or []]
+        return pb.GenerateResponse(text=text, token_ids=done.token_ids, finish_reason=finish, tool_calls=calls,
                                    usage=_usage(prepared.prompt_tokens, len(done.token_ids)),
                                    spec_decode=_stats(done.last.stats),
                                    logprobs=token_logprobs(tok, done.token_ids, done.logprobs),
@@ -134,21 +183,26 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
         # call are dropped): the call's end frees its blocks
         context.add_done_callback(lambda _: stream.abort())
         completion = 0
+        tools = ToolCallStream(prepared.tool_calls) if prepared.tool_calls is not None else None
         try:
             async for delta in stream:
                 if delta.error:
                     await _abort(context, delta_error(delta), rid)
                 completion += len(delta.token_ids)
                 tok = self.engine.tokenizer
-                msg = pb.GenerateStreamResponse(text=delta.text, token_ids=delta.token_ids,
-                                                finish_reason=delta.finish_reason or "",
-                                                logprobs=token_logprobs(tok, delta.token_ids, delta.logprobs),
-                                                prompt_logprobs=token_logprobs(tok, delta.prompt_token_ids,
-                                                                               delta.prompt_logprobs))
-                if delta.finish_reason:
-                    msg.usage.CopyFrom(_usage(prepared.prompt_tokens, completion))
-                    msg.spec_decode.CopyFrom(_stats(delta.stats))
-                yield msg
+                pieces = [({"content": delta.text}, delta.finish_reason)] if tools is None else \
+                    [(d, f) for d, f, _ in tools.feed(delta.text, delta.finish_reason, None)] or [({}, None)]
+                for i, (piece, finish) in enumerate(pieces):
+                    msg = pb.GenerateStreamResponse(text=piece.get("content") or "", finish_reason=finish or "",
+                                                    tool_calls=[tool_call_delta(c) for c in piece.get("tool_calls", [])])
+                    if i == 0:  # the tokens (and their log-probabilities) ride on the first piece
+                        msg.token_ids.extend(delta.token_ids)
+                        msg.logprobs.extend(token_logprobs(tok, delta.token_ids, delta.logprobs))
+                        msg.prompt_logprobs.extend(token_logprobs(tok, delta.prompt_token_ids, delta.prompt_logprobs))
+                    if finish:
+                        msg.usage.CopyFrom(_usage(prepared.prompt_tokens, completion))
+                        msg.spec_decode.CopyFrom(_stats(delta.stats))
+                    yield msg
         except Exception as e:  # noqa: BLE001 - aborts (grpc's own) pass through untouched
             if isinstance(e, grpc.aio.AbortError):
                 raise
@@ -199,6 +253,12 @@ async def _internal(context, error: Exception, request_id: str) -> None:
         raise error
     log.error("request %s: unexpected error", request_id, exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal server error (request id {request_id})")
+
+
+def tool_call_delta(call: dict) -> pb.ToolCallDelta:
+    function = call.get("function", {})
+    return pb.ToolCallDelta(index=call["index"], id=call.get("id", ""), name=function.get("name", ""),
+                            arguments=function.get("arguments", ""))
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> pb.Usage:

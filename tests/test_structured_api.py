@@ -488,3 +488,42 @@ def test_bad_tool_messages_get_400_naming_the_field(client):
     for messages, param in cases:
         e = bad_request(lambda: client.chat.completions.create(model=M, messages=messages, tools=TOOLS, max_tokens=4))
         assert e.body["param"] == param, e.body
+
+
+def test_grpc_returns_the_same_typed_tool_calls(server, bracket):
+    stub = server["stub"]
+    tools = [pb.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                     parameters=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+    request = pb.GenerateRequest(model=M, messages=[pb.ChatMessage(role="user", content="hi")], tools=tools,
+                                 max_tokens=200, temperature=1, seed=3,
+                                 logit_bias={int(k): v for k, v in bracket.items()})
+    whole = stub.Generate(request, timeout=120)
+    assert whole.finish_reason == "tool_calls" and whole.text == "" and whole.tool_calls
+    for call in whole.tool_calls:
+        assert call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    pieces = list(stub.GenerateStream(request, timeout=120))
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        assert piece.text == ""  # a call's text never comes as text
+        for d in piece.tool_calls:
+            entry = calls.setdefault(d.index, [d.name, ""])
+            entry[1] += d.arguments
+    assert [p.finish_reason for p in pieces if p.finish_reason] == ["tool_calls"]
+    assert sum(len(p.token_ids) for p in pieces) == len(whole.token_ids)
+    assert [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))] == \
+        [(c.name, json.loads(c.arguments)) for c in whole.tool_calls]
+    # the loop: the call and its result go back as messages
+    answered = stub.Generate(pb.GenerateRequest(model=M, max_tokens=4, temperature=0, tools=tools[1:], messages=[
+        pb.ChatMessage(role="user", content="hi"),
+        pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="call_1", name="get_time", arguments='{"zone": "UTC"}')]),
+        pb.ChatMessage(role="tool", tool_call_id="call_1", content="12:00")]), timeout=120)
+    assert answered.finish_reason in ("stop", "length", "tool_calls")
+    for bad in [pb.GenerateRequest(model=M, prompt="hi", tools=tools),
+                pb.GenerateRequest(model=M, messages=[pb.ChatMessage(role="user", content="hi"),
+                                                      pb.ChatMessage(role="tool", tool_call_id="x", content="1")]),
+                pb.GenerateRequest(model=M, messages=[pb.ChatMessage(role="user", content="hi")],
+                                   tools=[pb.Tool(name="f", parameters="{not json")])]:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(bad, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and not INTERNALS.search(e.value.details())
