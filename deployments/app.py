@@ -11,6 +11,7 @@ from typing import Any, get_args
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from engine.config import CpuIsa, Device, Dtype, EngineConfig, GgufWeights, PlacementStrategy, SpeculativeConfig
+from engine.reasoning import ReasoningParserName
 from engine.tool_parsers import ToolCallParserName
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -83,6 +84,10 @@ class ServeArgs(BaseModel):
         "How the model writes tool calls, in vLLM's names: `hermes` (`<tool_call>{...}</tool_call>`: Qwen 2.5 "
         "and 3, Hermes, SmolLM3), `llama3_json` (Llama 3.1 / 3.2 JSON), `pythonic` (`[f(a=1)]`: Llama 3.2 / 4 "
         "pythonic, Gemma 3). Once a call begins it is held to the tools' schemas."))
+    reasoning_parser: ReasoningParserName | None = Field(default=None, description=(
+        "Split a reasoning model's thinking from its answer, in vLLM's names: `deepseek_r1`, `qwen3`. The "
+        "thinking comes back as `message.reasoning_content` (streamed as `delta.reasoning_content`); "
+        "structured outputs and tool calls apply after it."))
     chat_template: str | None = Field(default=None, description=(
         "A Jinja chat template (its text, or a file that holds it) to use instead of the model's own; "
         "vLLM's `--chat-template`. A template that refers to `tools` renders tools itself."))

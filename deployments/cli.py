@@ -32,6 +32,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
     from engine.config import Device, Dtype, GgufWeights, PlacementStrategy
     from engine.kernels.targets import CPU_ISA_CHOICES
+    from engine.reasoning import ReasoningParserName
     from engine.tool_parsers import ToolCallParserName
 
     p = argparse.ArgumentParser(prog="tandem serve", description="Serve MODEL with an OpenAI-compatible API.")
@@ -95,6 +96,8 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="let the model decide whether to call tools (tool_choice 'auto'); needs --tool-call-parser")
     p.add_argument("--tool-call-parser", default=None, choices=list(get_args(ToolCallParserName)),
                    help="how the model writes tool calls (vLLM's names)")
+    p.add_argument("--reasoning-parser", default=None, choices=list(get_args(ReasoningParserName)),
+                   help="split a reasoning model's thinking into reasoning_content (vLLM's names)")
     p.add_argument("--chat-template", default=None,
                    help="a chat template (a file, or the template's text) instead of the model's own")
     return p

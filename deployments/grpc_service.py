@@ -23,6 +23,7 @@ from deployments.requests import PreparedRequest, RequestLayer, collect, delta_e
 from deployments.tool_calls import ToolCallStream, chat_message
 from engine.async_engine import AsyncEngine
 from engine.metrics import SpecDecodeStats
+from engine.reasoning import ReasoningSplitter
 from tandem_proto import tandem_pb2 as pb
 from tandem_proto import tandem_pb2_grpc as pb_grpc
 
@@ -158,13 +159,18 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
         except Exception as e:  # noqa: BLE001 - grpc.aio would put the exception's text in the status
             await _internal(context, e, rid)
         tok = self.engine.tokenizer
-        text, finish, calls = done.text, done.last.finish_reason, []
+        text, finish, calls, reasoning = done.text, done.last.finish_reason, [], ""
+        if prepared.reasoning is not None:
+            splitter = ReasoningSplitter(*prepared.reasoning)
+            splitter.feed(text, final=True)
+            text, reasoning = splitter.content, splitter.reasoning
         if prepared.tool_calls is not None:
             message, finish = chat_message(prepared.tool_calls, done.text, finish)
             text = message["content"] or ""
             calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
                      for c in message.get("tool_calls") or []]
         return pb.GenerateResponse(text=text, token_ids=done.token_ids, finish_reason=finish, tool_calls=calls,
+                                   reasoning=reasoning,
                                    usage=_usage(prepared.prompt_tokens, len(done.token_ids)),
                                    spec_decode=_stats(done.last.stats),
                                    logprobs=token_logprobs(tok, done.token_ids, done.logprobs),
@@ -184,16 +190,23 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
         context.add_done_callback(lambda _: stream.abort())
         completion = 0
         tools = ToolCallStream(prepared.tool_calls) if prepared.tool_calls is not None else None
+        thinking = ReasoningSplitter(*prepared.reasoning) if prepared.reasoning is not None else None
         try:
             async for delta in stream:
                 if delta.error:
                     await _abort(context, delta_error(delta), rid)
                 completion += len(delta.token_ids)
                 tok = self.engine.tokenizer
-                pieces = [({"content": delta.text}, delta.finish_reason)] if tools is None else \
-                    [(d, f) for d, f, _ in tools.feed(delta.text, delta.finish_reason, None)] or [({}, None)]
+                text, reasoning = delta.text, ""
+                if thinking is not None:
+                    reasoning, text = thinking.feed(text, final=delta.finish_reason is not None)
+                pieces = [({"content": text}, delta.finish_reason)] if tools is None else \
+                    [(d, f) for d, f, _ in tools.feed(text, delta.finish_reason, None)] or [({}, None)]
+                if reasoning:
+                    pieces[0] = ({**pieces[0][0], "reasoning": reasoning}, pieces[0][1])
                 for i, (piece, finish) in enumerate(pieces):
                     msg = pb.GenerateStreamResponse(text=piece.get("content") or "", finish_reason=finish or "",
+                                                    reasoning=piece.get("reasoning", ""),
                                                     tool_calls=[tool_call_delta(c) for c in piece.get("tool_calls", [])])
                     if i == 0:  # the tokens (and their log-probabilities) ride on the first piece
                         msg.token_ids.extend(delta.token_ids)

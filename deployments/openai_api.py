@@ -31,6 +31,7 @@ from deployments.tool_calls import ToolCallStream, chat_message
 from deployments.logprobs import LogprobFormatter
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.output_processor import RequestDelta
+from engine.reasoning import ReasoningSplitter
 
 log = logging.getLogger(__name__)
 
@@ -275,16 +276,25 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
     async def respond_chat(prepared: PreparedRequest, streams: list[RequestStream]) -> Response:
         rid, now = prepared.request_id, int(time.time())
         tools = {c.index: ToolCallStream(prepared.tool_calls) for c in prepared.choices} if prepared.tool_calls else {}
+        thinking = {c.index: ReasoningSplitter(*prepared.reasoning) for c in prepared.choices} if prepared.reasoning else {}
 
         def event(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
-        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict | list[dict]:
+        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> list[dict]:
+            events = []
+            if index in thinking:  # the thinking first, as reasoning_content; the rest is the answer
+                reasoning, text = thinking[index].feed(text, final=finish is not None)
+                if reasoning:
+                    events.append(event(index, {"reasoning_content": reasoning}, None, logprobs))
+                    logprobs = None
+                    if not text and finish is None:
+                        return events
             if index in tools:
-                return [event(index, delta, f, lp) for delta, f, lp in tools[index].feed(text, finish, logprobs)]
+                return events + [event(index, delta, f, lp) for delta, f, lp in tools[index].feed(text, finish, logprobs)]
             delta = {"content": text} if text or finish is None else {}
-            return event(index, delta, finish, logprobs)
+            return events + [event(index, delta, finish, logprobs)]
 
         def logprobs_of(k: int, delta: RequestDelta | None, echo: bool = False) -> dict | None:
             if echo or prepared.choices[k].params.logprobs is None or not delta.token_ids:
@@ -296,7 +306,14 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
         results = await gather_all(streams)
         choices = []
         for c, r in zip(prepared.choices, results):
-            message, finish = chat_message(prepared.tool_calls, r.text, openai_finish(r.last.finish_reason))
+            text, reasoning = r.text, None
+            if prepared.reasoning:
+                splitter = ReasoningSplitter(*prepared.reasoning)
+                splitter.feed(text, final=True)
+                text, reasoning = splitter.content, splitter.reasoning or None
+            message, finish = chat_message(prepared.tool_calls, text, openai_finish(r.last.finish_reason))
+            if prepared.reasoning:
+                message["reasoning_content"] = reasoning
             choices.append({"index": c.index, "message": message,
                             "logprobs": fmt.chat(r.token_ids, r.logprobs or []) if c.params.logprobs is not None
                             else None,

@@ -197,6 +197,19 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool | None = None  # false: at most one call under "required"
+    # keyword arguments for the chat template, e.g. {"enable_thinking": false} (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_names_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = {"messages", "tools", "add_generation_prompt", "chat_template", "tokenize", "documents",
+                 "continue_final_message", "return_dict"} & set(value or {})
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {', '.join(sorted(taken))} is set by the server")
+        if len(value or {}) > 32:
+            raise ValueError("chat_template_kwargs: at most 32 keys")
+        return value
 
     def check_tools(self) -> None:
         check_tools(self.tools or [])

@@ -46,6 +46,7 @@ SERVING_ONLY: dict[str, str] = {
     "coordinator_resources": "where Ray Serve places the coordinator replicas",
     "enable_auto_tool_choice": "tool_choice is a chat API field; offline, LLM.chat(tools=...) lets the model choose",
     "tool_call_parser": "tool_choice is a chat API field; offline, LLM.chat takes tool_parser",
+    "reasoning_parser": "reasoning is split from the answer by the chat API's responses",
     "chat_template": "chat templates are applied by the request layer; offline, LLM.chat takes chat_template",
 }
 

@@ -7,6 +7,7 @@ templates): transports run it in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from engine.config import SamplingParams
 from engine.core import TokenizedPrompt
 from engine.errors import INTERNAL_ERROR, ErrorKind, InvalidRequest
 from engine.output_processor import RequestDelta
+from engine.reasoning import starts_in_reasoning
 from engine.tool_parsers import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,8 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None = None
-    tool_calls: ToolCalls | None = None  # chat with tool_choice 'required' or named: the text is calls
+    tool_calls: ToolCalls | None = None  # chat with tools: how the text becomes calls
+    reasoning: tuple[str, bool] | None = None  # chat with a reasoning parser: (its name, begins in thinking)
 
     @property
     def prompt_tokens(self) -> int:
@@ -57,11 +60,12 @@ class PreparedRequest:
 
 class RequestLayer:
     def __init__(self, engine: AsyncEngine, model_name: str, model_root: str, prepare_threads: int = 2,
-                 tool_format: ToolFormat | None = None, chat_template: str | None = None):
+                 tool_format: ToolFormat | None = None, chat_template: str | None = None,
+                 reasoning_parser: str | None = None):
         """`tool_format`: how the model writes calls when it may choose to (tool_choice 'auto'; None: off).
         `chat_template`: a template to use instead of the model's."""
         self.engine, self.model_name, self.model_root = engine, model_name, model_root
-        self.tool_format, self.chat_template = tool_format, chat_template
+        self.tool_format, self.chat_template, self.reasoning_parser = tool_format, chat_template, reasoning_parser
         # its own small pool: a flood of big requests queues here instead of taking every thread
         # the process shares (and the GIL-bound parts can't use more than a couple anyway)
         self._pool = ThreadPoolExecutor(prepare_threads, thread_name_prefix="tandem-prepare")
@@ -77,7 +81,7 @@ class RequestLayer:
         """The layer an application's args (deployments.app.ServeArgs) describe."""
         return cls(engine, args.model_name, args.model,
                    tool_format=tool_format(args.tool_call_parser) if args.enable_auto_tool_choice else None,
-                   chat_template=args.chat_template_text())
+                   chat_template=args.chat_template_text(), reasoning_parser=args.reasoning_parser)
 
     # -- parsing (worker thread) ---------------------------------------------------------------
 
@@ -95,12 +99,13 @@ class RequestLayer:
         req.check_unsupported()
         self.check_model(req.model)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        tool_calls = None
+        tool_calls = reasoning = None
         if kind == "completion":
             choices = self._completion_choices(req)
         else:
-            choices, tool_calls = self._chat_choices(req)
-        return PreparedRequest(request_id, kind, choices, req.stream, include_usage, req.cache_salt, tool_calls)
+            choices, tool_calls, reasoning = self._chat_choices(req)
+        return PreparedRequest(request_id, kind, choices, req.stream, include_usage, req.cache_salt, tool_calls,
+                               reasoning)
 
     async def tokenize_async(self, body: bytes) -> dict:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenize, body)
@@ -187,7 +192,7 @@ class RequestLayer:
             choices.extend(Choice(i * req.n + j, tokenized, p, echo) for j, p in enumerate(params))
         return choices
 
-    def _chat_choices(self, req: ChatCompletionRequest) -> tuple[list[Choice], ToolCalls | None]:
+    def _chat_choices(self, req: ChatCompletionRequest) -> tuple[list[Choice], ToolCalls | None, tuple[str, bool] | None]:
         if len(req.messages) >= self.engine.max_model_len:  # each message costs at least one token
             raise bad_request(f"messages: {len(req.messages)} messages cannot fit in this model's maximum "
                               f"context length of {self.engine.max_model_len} tokens", param="messages")
@@ -202,12 +207,20 @@ class RequestLayer:
         try:
             ids = chat_prompt_ids(self.tokenizer, messages, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
                                   tool_format=self.tool_format, chat_template=self.chat_template,
-                                  tool_instructions=tool_calls is not None and tool_calls.kind == "auto")
+                                  tool_instructions=tool_calls is not None and tool_calls.kind == "auto",
+                                  template_kwargs=req.chat_template_kwargs)
         except ValueError as e:
             log.info("chat template failed: %s", e)
             raise bad_request("messages could not be formatted with the model's chat template",
                               param="messages") from None
         prompt = TokenizedPrompt(None, ids)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            opened = starts_in_reasoning(self.reasoning_parser, self.tokenizer.decode(ids[-8:]))
+            reasoning = (self.reasoning_parser, opened)
+            if structured is not None and opened:  # the grammar holds the answer, after the thinking
+                structured = dataclasses.replace(structured, params=dataclasses.replace(structured.params,
+                                                                                        after_reasoning=True))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -217,7 +230,7 @@ class RequestLayer:
             params = req.sampling_params(max_tokens, self.turn_end_ids, j, logprobs, structured=structured)
             self._check(prompt, params, structured)
             choices.append(Choice(j, prompt, params))
-        return choices, tool_calls
+        return choices, tool_calls, reasoning
 
     def _conversation(self, messages: list) -> list[dict]:
         """The messages checked (tool turns, Unicode, size) into the chat template's input."""

@@ -54,6 +54,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     disable_any_whitespace: bool = False  # JSON without whitespace between tokens
     whitespace_pattern: str | None = None  # JSON whitespace as this regex (None: DEFAULT_JSON_WHITESPACE)
+    # the grammar applies after a reasoning model's thinking (free text up to </think>); set by the
+    # server's reasoning parser, or offline (Tandem's; vLLM tracks it in its engine)
+    after_reasoning: bool = False
 
     @model_validator(mode="after")
     def _one_kind(self) -> "StructuredOutputsParams":
@@ -79,6 +82,15 @@ class StructuredOutputsParams:
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for `params` (not yet checked against a tokenizer); InvalidRequest."""
+    grammar = _kind_grammar(params)
+    if params.after_reasoning:
+        from engine.reasoning import after_reasoning
+
+        grammar = after_reasoning(grammar)
+    return grammar
+
+
+def _kind_grammar(params: StructuredOutputsParams) -> str:
     import llguidance
     from llguidance import LLMatcher
 

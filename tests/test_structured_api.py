@@ -50,7 +50,7 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 def server():
     args = {"model": TARGET, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "served_model_name": M,
             "speculative_config": {"model": DRAFT, "num_speculative_tokens": 3},
-            "enable_auto_tool_choice": True, "tool_call_parser": "pythonic"}
+            "enable_auto_tool_choice": True, "tool_call_parser": "pythonic", "reasoning_parser": "qwen3"}
     with serve_app("structured", args) as (base, grpc_address):
         channel = grpc.insecure_channel(grpc_address)
         yield {"base": base, "stub": tandem_pb2_grpc.TandemServiceStub(channel)}
@@ -527,3 +527,31 @@ def test_grpc_returns_the_same_typed_tool_calls(server, bracket):
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(bad, timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and not INTERNALS.search(e.value.details())
+
+
+def test_reasoning_comes_apart_from_the_answer(client, server):
+    """The qwen3 reasoning parser: an answer that begins with <think> is thinking up to </think>. A
+    regex makes the random model write one (this template doesn't open the thinking, so the grammar
+    holds the whole output)."""
+    regex = {"regex": "<think>[a-z]{3,12}</think>[a-z]{2,8}"}
+    kw = dict(model=M, messages=MSG, max_tokens=40, temperature=1, seed=4, extra_body={"structured_outputs": regex})
+    message = client.chat.completions.create(**kw).choices[0].message
+    thinking, answer = message.model_extra["reasoning_content"], message.content
+    assert re.fullmatch("[a-z]{3,12}", thinking) and re.fullmatch("[a-z]{2,8}", answer)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = ["".join(getattr(c.choices[0].delta, key, None) or "" for c in chunks if c.choices)
+                for key in ("reasoning_content", "content")]
+    assert streamed == [thinking, answer]
+    request = pb.GenerateRequest(model=M, messages=[pb.ChatMessage(role="user", content="give me json")], max_tokens=40,
+                                 temperature=1, seed=4, structured_outputs=pb.StructuredOutputs(regex=regex["regex"]))
+    assert server["stub"].Generate(request, timeout=60).reasoning == thinking  # the same over gRPC
+    pieces = list(server["stub"].GenerateStream(request, timeout=60))
+    assert ["".join(p.reasoning for p in pieces), "".join(p.text for p in pieces)] == [thinking, answer]
+    plain = client.chat.completions.create(model=M, messages=MSG, max_tokens=8, temperature=0).choices[0].message
+    assert plain.model_extra["reasoning_content"] is None and plain.content  # no thinking: all answer
+    e = bad_request(lambda: client.chat.completions.create(model=M, messages=MSG, max_tokens=4,
+                                                           extra_body={"chat_template_kwargs": {"messages": []}}))
+    assert "chat_template_kwargs" in e.body["message"]
+    ok = client.chat.completions.create(model=M, messages=MSG, max_tokens=4,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert ok.choices[0].finish_reason in ("stop", "length")
