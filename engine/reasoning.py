@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from typing import Literal, get_args
 
+from engine.tool_parsers import partial_suffix
+
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 REASONING_PARSERS = get_args(ReasoningParserName)
 START, END = "<think>", "</think>"
@@ -67,7 +69,7 @@ class ReasoningSplitter:
                     thinking += self.buffer[:end]
                     self.buffer, self.state, self.leading = self.buffer[end + len(END):], "content", True
                     continue
-                keep = 0 if final else _partial_suffix(self.buffer, END)
+                keep = 0 if final else partial_suffix(self.buffer, END)
                 thinking += self.buffer[:len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
@@ -84,13 +86,6 @@ class ReasoningSplitter:
         self.reasoning += thinking
         self.content += content
         return thinking, content
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[len(text) - k:]):
-            return k
-    return 0
 
 
 def after_reasoning(grammar: str) -> str:

@@ -319,7 +319,7 @@ class JsonCallParser(ToolCallParser):
                 self.pos, self.state = found + len(trigger), "head"
                 return True
             # say all but a possible trigger's beginning, and whitespace that may come before a call
-            end = len(text) - _partial_suffix(text, trigger, self.pos)
+            end = len(text) - partial_suffix(text, trigger, self.pos)
             safe = len(text[self.pos:end].rstrip()) + self.pos
             self._say(text[self.pos:safe])
             self.pos = safe
@@ -599,7 +599,7 @@ class JsonScanner:
         return None
 
 
-def _partial_suffix(text: str, trigger: str, start: int) -> int:
+def partial_suffix(text: str, trigger: str, start: int = 0) -> int:
     """The length of the longest end of text[start:] that is a proper beginning of trigger."""
     for k in range(min(len(trigger) - 1, len(text) - start), 0, -1):
         if trigger.startswith(text[len(text) - k:]):
