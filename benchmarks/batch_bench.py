@@ -29,28 +29,26 @@ PROMPTS = ["The future of AI is", "def fibonacci(n):", "List three colors:", "On
 
 def throughput(core: EngineCore, concurrency: int, max_tokens: int, rounds: int = 2) -> float:
     """Output tokens/s with `concurrency` requests in flight, `rounds` waves of them."""
-    sched = core.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     produced, start = 0, time.perf_counter()
     for r in range(rounds):
-        seqs = [sched.add(f"r{r}-{i}", None, core.tokenizer.encode(PROMPTS[i % len(PROMPTS)]), params)
+        seqs = [core.add_request(f"r{r}-{i}", None, core.tokenizer.encode(PROMPTS[i % len(PROMPTS)]), params)
                 for i in range(concurrency)]
         while any(not s.finished for s in seqs):
-            sched.step()
+            core.step()
         produced += sum(len(s.output_ids) for s in seqs)
     return produced / (time.perf_counter() - start)
 
 
 def step_ms(core: EngineCore, max_tokens: int) -> float:
     """Median ms of one engine step for a single running request."""
-    sched = core.scheduler
-    seq = sched.add("step", None, core.tokenizer.encode(PROMPTS[0]),
-                    SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    sched.step()  # admission + first step
+    seq = core.add_request("step", None, core.tokenizer.encode(PROMPTS[0]),
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    core.step()  # admission + first step
     times = []
     while not seq.finished:
         t = time.perf_counter()
-        sched.step()
+        core.step()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 

@@ -57,11 +57,10 @@ class SpecState:
 
 def generate(core: EngineCore, params: SamplingParams, prompt: str) -> tuple[int, float]:
     """One request alone (the latency-bound case speculation is for): (output tokens, seconds)."""
-    sched = core.scheduler
     start = time.perf_counter()
-    seq = sched.add(f"bench-{time.monotonic_ns()}", prompt, core.tokenizer.encode(prompt), params)
+    seq = core.add_request(f"bench-{time.monotonic_ns()}", prompt, core.tokenizer.encode(prompt), params)
     while not seq.finished:
-        sched.step()
+        core.step()
     return len(seq.output_ids), time.perf_counter() - start
 
 

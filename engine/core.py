@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig, SamplingParams, check_model_pair, parallel_drafting_token
-from engine.errors import INTERNAL_ERROR, InvalidRequest
+from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, InvalidRequest, StepError
 from engine.executor import LocalExecutor, RayExecutor
 from engine.models.loading import eos_token_ids, load_config, load_tokenizer, resolve_model
 from engine.metrics import CacheStats, EngineStats
 from engine.output_processor import OutputProcessor
+from engine.plan import StepOutput, StepPlan
 from engine.scheduler import Scheduler, Sequence
 from engine.structured import GrammarCompiler
 from engine.vocab_mapping import VocabMapping
@@ -165,17 +167,75 @@ class EngineCore:
     # -- the step ----------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """One engine step; the sequences that got tokens or ended. Never raises: a bug fails the
-        running requests (each with an internal error), not the caller's loop."""
+        """One engine step (vLLM v1's EngineCore.step): the scheduler plans it, the executor runs the
+        plan, the scheduler applies what came back. The sequences that got tokens or ended. Never
+        raises: a bug fails the running requests (each with an internal error), not the caller's loop."""
+        start = time.perf_counter()
         try:
-            return self.scheduler.step()
+            seqs = self._step()
         except Exception:  # noqa: BLE001
             log.exception("engine step failed; failing the running requests")
             try:
-                return self.scheduler.fail_running(INTERNAL_ERROR)
+                seqs = self.scheduler.fail_running(INTERNAL_ERROR)
             except Exception:  # noqa: BLE001
                 log.exception("failing the running requests failed")
                 return []
+        counters = self.scheduler.counters
+        counters.step_time.observe(time.perf_counter() - start)
+        for seq in seqs:
+            if seq.finished:
+                counters.finished(seq.finish_reason)
+        return seqs
+
+    def _step(self) -> list[Sequence]:
+        sched = self.scheduler
+        if sched.executor_down and not self._rebuild():
+            time.sleep(1.0)  # still down: waiting requests get a 503 now instead of hanging
+            return sched.fail_waiting(WORKER_FAILED)
+        plan = sched.schedule()
+        if plan.empty():
+            return []
+        try:
+            try:
+                output = self.executor.execute(plan)
+            except (StepError, ValueError) as e:
+                return self._run_parts(plan, e)
+        except ExecutorError as e:
+            log.error("a model group failed; failing %d running requests and restarting the groups: %s",
+                      len(sched.running), e)
+            return sched.fail_running(WORKER_FAILED)
+        return sched.update(plan, output)
+
+    def _run_parts(self, plan: StepPlan, error: Exception) -> list[Sequence]:
+        """A call raised in a live worker: each sequence's part of the plan again alone, so that only
+        the one that raises fails (the others rewrite the same keys and values at the same positions)."""
+        chunks = plan.prompt_chunks()
+        if chunks:
+            log.warning("a step carrying %d prompt chunks raised (%s); running each request alone", chunks, error)
+        else:
+            log.warning("a step raised (%s); running each request alone", error)
+        outputs = [(part, self._run_alone(part)) for part in plan.parts()]
+        return [seq for part, output in outputs for seq in self.scheduler.update(part, output)]
+
+    def _run_alone(self, part: StepPlan) -> StepOutput:
+        """One part of a plan that raised; what raises again fails the part's sequences."""
+        try:
+            return self.executor.execute(part)
+        except (StepError, ValueError) as e:
+            ids = ", ".join(seq.request_id for seq in part.requests.values()) or "(removals)"
+            log.error("request %s failed: %s", ids, e, exc_info=e.__cause__ or e)
+            return StepOutput(failed={seq_id: str(e) for seq_id in part.requests})
+
+    def _rebuild(self) -> bool:
+        """Rebuild failed model groups: whether they are up again."""
+        sched = self.scheduler
+        try:
+            self.executor.restart()
+            sched.executor_down = sched.rebuild_failed = False
+        except Exception:  # noqa: BLE001 - e.g. no resources for the new groups yet
+            log.exception("could not rebuild the model groups; retrying at the next step")
+            sched.executor_down = sched.rebuild_failed = True
+        return not sched.executor_down
 
     def has_work(self) -> bool:
         """Whether a step has anything to do: requests to run, or failed groups to rebuild."""

@@ -1,4 +1,5 @@
-"""Executors run the two model groups (target, draft). The scheduler sees only this interface.
+"""Executors run the two model groups (target, draft): `execute(plan)` runs one engine step's plan
+(engine/plan.py) and reports what came back. EngineCore.step is its one caller.
 
 A model group is `tp` GroupRanks, one per device, all running the same forward on their shard.
 LocalExecutor keeps one rank per group in this process. RayExecutor makes each rank a Ray actor in a
@@ -23,6 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ExecutorError, StepError
 from engine.memory import DeviceMemory, device_budget, plan_blocks
+from engine.plan import StepOutput, StepPlan
 from engine.proposer import DraftModelProposer
 from engine.grammar_masks import GrammarMasks
 from engine.models.loading import eos_token_ids, load_config, load_tokenizer, resolve_model
@@ -144,7 +146,10 @@ class GroupRank:
         start = time.perf_counter()
         out = self.verifier.verify(batch, drafts, ahead)
         out.elapsed_s = time.perf_counter() - start
-        out.draft_elapsed_s = drafts.elapsed_s if drafts is not None else 0.0
+        out.cached = [s + len(p) + a for s, p, a in zip(batch.starts, batch.pending, out.num_accepted)]
+        if drafts is not None:
+            out.draft_elapsed_s = drafts.elapsed_s
+            out.draft_cached = dict(zip(drafts.seq_ids, drafts.cached))
         return out if self.rank == 0 else None
 
     def logits(self, tables: list[list[int]], starts: list[int], tokens: list[list[int]]):
@@ -207,13 +212,17 @@ class DraftHandle:
 
 
 class Executor(Protocol):
-    """What the scheduler calls to run the two model groups (LocalExecutor, RayExecutor)."""
+    """What EngineCore calls to run the two model groups (LocalExecutor, RayExecutor)."""
 
     num_blocks: int  # KV cache blocks each model's cache holds
     overlaps_groups: bool  # whether the draft group's calls can run beside the target's (draft-ahead)
     # whether the target's forward takes rows of any lengths unpadded (a prompt's rest as a row's
     # pending tokens costs no padding of the other rows)
     ragged_rows: bool
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run a step's plan: StepError when a call raised in a live worker (EngineCore then runs the
+        plan's parts alone), ExecutorError when a group died."""
 
     def add_request(self, request_id: str, seed: int, draft: bool = True,
                     grammar: RequestGrammar | None = None) -> None: ...
@@ -237,7 +246,33 @@ class Executor(Protocol):
     def warm_grammars(self) -> None: ...
 
 
-class LocalExecutor:
+class RunsPlans:
+    """execute(plan): a step's calls in the plan's order (removals, starts, prefills, the round),
+    timed for the scheduler's cost model. Both executors share it."""
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        out = StepOutput()
+        begin = time.perf_counter()
+        for request_id in plan.remove:
+            self.remove_request(request_id)
+        for s in plan.start:
+            self.add_request(s.request_id, s.seed, draft=s.draft, grammar=s.grammar)
+        for call in plan.prefills:
+            start = time.perf_counter()
+            got = self.prefill(call.target, call.draft, call.scored)
+            if call.scored is not None:
+                out.prompt_logprobs[call.target[0].seq_id] = got or []
+            elif call.draft and not call.target:  # the draft's prompt tokens alone: their cost
+                out.draft_prefill.append((time.perf_counter() - start, sum(len(c.tokens) for c in call.draft)))
+        if plan.round is not None:
+            start = time.perf_counter()
+            out.before_round_s = start - begin
+            out.round = self.step(plan.round.verify, plan.round.draft, plan.round.ahead)
+            out.round_s = time.perf_counter() - start
+        return out
+
+
+class LocalExecutor(RunsPlans):
     overlaps_groups = False  # one process: the draft runs after the verify, never beside it
 
     def __init__(self, config: EngineConfig, max_model_len: int, target_vocab: int,
@@ -263,12 +298,18 @@ class LocalExecutor:
     def add_request(self, request_id: str, seed: int, draft: bool = True, grammar: RequestGrammar | None = None) -> None:
         """Per-request state (its random streams, its grammar) on the target, and on the draft unless
         the request will never draft (draft=False: adaptive K found drafting can't pay)."""
-        for r in self._ranks() if draft else [self.target]:
-            r.add_request(request_id, seed, grammar)
+        try:
+            for r in self._ranks() if draft else [self.target]:
+                r.add_request(request_id, seed, grammar)
+        except Exception as e:
+            raise StepError(f"add_request raised {type(e).__name__}") from e
 
     def remove_request(self, request_id: str) -> None:
-        for r in self._ranks():
-            r.remove_request(request_id)
+        try:
+            for r in self._ranks():
+                r.remove_request(request_id)
+        except Exception as e:
+            raise StepError(f"remove_request raised {type(e).__name__}") from e
 
     def prefill(self, target: list[Prefill], draft: list[Prefill], scored: tuple[int, int] | None = None):
         try:
@@ -358,7 +399,7 @@ def _started_here() -> bool:
     return bool(getattr(getattr(ray._private.worker, "_global_node", None), "head", False))
 
 
-class RayExecutor:
+class RayExecutor(RunsPlans):
     """Target and draft groups as Ray actors, one per tensor-parallel rank."""
 
     overlaps_groups = True  # the draft group's calls run beside the target's (draft_ahead needs separate)

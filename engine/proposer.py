@@ -96,9 +96,10 @@ class DraftModelProposer:
         host = torch.cat([drafts, bad[:, None].long()], 1).tolist()
         tokens = [row[: batch.num_drafts[b]] for b, row in enumerate(host)]
         errors = {batch.seq_ids[b]: INVALID_DISTRIBUTION for b, row in enumerate(host) if row[-1]}
-        if not self.probabilistic:
-            return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors)
-        return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors, probs=self._flat_probs(batch, q_steps))
+        # fed: each row's pending tokens and its proposals but the last
+        cached = [batch.starts[b] + len(batch.pending[b]) + batch.num_drafts[b] - 1 for b in range(B)]
+        probs = self._flat_probs(batch, q_steps) if self.probabilistic else None
+        return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors, probs=probs, cached=cached)
 
     def propose_ahead(self, ahead: AheadBatch, fresh: DraftOutput | None) -> DraftOutput:
         """The next blocks (engine/step.py AheadBatch): rows whose fresh proposals failed are left out."""
@@ -150,7 +151,8 @@ class DraftModelProposer:
         errors = {batch.seq_ids[b]: INVALID_DISTRIBUTION for b in range(B) if host[len(logits) + b]}
         if q is not None and self.mapping is not None:
             q = self._to_target(q)
-        return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors, probs=q)
+        cached = [batch.starts[b] + len(batch.pending[b]) for b in range(B)]  # the masks' keys are not the drafts'
+        return DraftOutput(seq_ids=batch.seq_ids, tokens=tokens, errors=errors, probs=q, cached=cached)
 
     def _begin_grammar(self, batch: DraftBatch) -> list[int]:
         """Rows whose drafts the grammar masks (their grammar state brought to the committed output)."""

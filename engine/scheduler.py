@@ -1,9 +1,11 @@
 """Continuous batching: sequences join and leave between steps.
 
-Each step: admit waiting requests while both models' block pools hold their prompts (after any
-prefix-cache hit) and prefill the rest, then one propose/verify round for every running sequence,
-with its own draft count k (0 = plain decoding), stop conditions and new tokens. `max_num_seqs`
-bounds the batch; the rest wait in arrival order. When a round's positions don't fit the blocks
+Each step's plan (schedule()): admit waiting requests while both models' block pools hold their
+prompts (after any prefix-cache hit) and prefill the rest in chunks, then one propose/verify round
+for every decoding sequence; update() applies what the models gave back. The scheduler makes no
+model call: EngineCore.step runs the plan. Each row has its own draft count k (0 = plain
+decoding), stop conditions and new tokens. `max_num_seqs` bounds the batch; the rest wait in
+arrival order. When a round's positions don't fit the blocks
 left, the most recently admitted request is preempted: its blocks go back to the pool, and it
 waits at the front of the queue to be recomputed (mostly from the prefix cache) with the output it
 has; its client sees only a pause. The cache bookkeeping is engine/kv/'s.
@@ -16,16 +18,17 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from engine.adaptive import AcceptanceEstimate, BatchCosts, PrefillCost, SpeculationGate, adaptive_k, prefill_pays
 from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import INTERNAL_ERROR, WORKER_FAILED, ExecutorError, RequestFailure, StepError
-from engine.executor import Executor
+from engine.errors import INTERNAL_ERROR, RequestFailure
 from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
 from engine.output_processor import OutputProcessor
+from engine.plan import PrefillCall, RequestStart, RoundPlan, StepOutput, StepPlan
 from engine.step import AheadBatch, DraftBatch, Prefill, RequestGrammar, RowSampling, TokenLogprob, VerifyBatch
 from engine.structured import GrammarCompiler
 from engine.vocab_mapping import VocabMapping
@@ -99,11 +102,21 @@ class Sequence:
         return room
 
 
+class ModelGroups(Protocol):
+    """What the scheduler knows of the model groups: their shape, never their calls (the executor's)."""
+
+    num_blocks: int  # KV cache blocks each model's cache holds
+    overlaps_groups: bool  # the draft group's calls can run beside the target's (draft-ahead)
+    ragged_rows: bool  # the target's forward takes rows of any lengths unpadded
+
+
 class Scheduler:
-    def __init__(self, executor: Executor, eos_ids: set[int], config: EngineConfig, max_model_len: int,
+    """schedule() makes a step's plan from the requests' state; update() applies what running it
+    gave back. Neither calls a model: EngineCore.step runs the plan (engine/plan.py)."""
+
+    def __init__(self, groups: ModelGroups, eos_ids: set[int], config: EngineConfig, max_model_len: int,
                  grammars: GrammarCompiler, outputs: OutputProcessor, vocab_mapping: VocabMapping | None = None,
                  draft_max_len: int | None = None):
-        self.executor = executor
         self.vocab_mapping = vocab_mapping
         self.eos_ids = eos_ids
         self.grammars = grammars
@@ -119,9 +132,10 @@ class Scheduler:
             log.warning("max_num_batched_tokens %d leaves no room for prefill when max_num_seqs %d rows verify "
                         "their drafts: new prompts wait for running requests to finish",
                         self.max_num_batched_tokens, self.max_num_seqs)
+        self.ragged_rows = groups.ragged_rows
         # the executor sized the caches from the memory budget; each model keeps its own blocks
-        self.target_kv = KVCacheManager(executor.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.draft_kv = KVCacheManager(executor.num_blocks, config.block_size, config.enable_prefix_caching) \
+        self.target_kv = KVCacheManager(groups.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.draft_kv = KVCacheManager(groups.num_blocks, config.block_size, config.enable_prefix_caching) \
             if self.spec else None
         self._seq_ids = itertools.count()
         self.waiting: deque[Sequence] = deque()
@@ -136,7 +150,7 @@ class Scheduler:
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
         # in one process the groups take turns: drafting ahead can't overlap anything there
-        self.ahead_policy = AheadPolicy(overlaps=executor.overlaps_groups)
+        self.ahead_policy = AheadPolicy(overlaps=groups.overlaps_groups)
         self.ahead_drafted = self.ahead_used = 0  # draft-ahead blocks drafted / verified next step
         self._synthetic_rng = random.Random(config.seed)
         self.executor_down = False  # the groups failed: the next step rebuilds them first
@@ -171,62 +185,150 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> list[Sequence]:
-        """Run one round; return the sequences that got new tokens or ended (finished ones included)."""
-        start = time.perf_counter()
-        if self.executor_down:
-            self._restart()
-            if self.executor_down:  # still down: waiting requests get a 503 now instead of hanging
-                seqs = list(self.waiting)
-                self.waiting.clear()
-                for seq in seqs:
-                    seq.finish_reason, seq.error = "error", WORKER_FAILED
-                    self.counters.finished(seq.finish_reason)
-                time.sleep(1.0)
-                return seqs
-        try:
-            self._flush_removals()
-            seqs = self._admit()
-            # the step's token budget: the decoding rows' verify tokens first, prefill chunks after
-            decoding = [s for s in self.running if not s.prefilling]
-            per_row = (self.spec.num_speculative_tokens if self.spec else 0) + 1
-            riding = self._prefill_chunks(self.max_num_batched_tokens - per_row * len(decoding), bool(decoding), seqs)
-            rows = [s for s in self.running if not s.prefilling]
-            if rows:
-                seqs += self._round_isolating(rows, riding)
-            elif riding:
-                self._run_prefills([(seq, chunk, None) for seq, chunk in riding], None, seqs)
-        except ExecutorError as e:
-            log.error("a model group failed; failing %d running requests and restarting the groups: %s",
-                      len(self.running), e)
-            seqs = self.fail_running(WORKER_FAILED)
-        self.counters.step_time.observe(time.perf_counter() - start)
-        for seq in seqs:
-            if seq.finished:
-                self.counters.finished(seq.finish_reason)
-        return seqs
+    # -- the plan ------------------------------------------------------------------------------
 
-    def _round_isolating(self, rows: list[Sequence], chunks: list[tuple[Sequence, Prefill]] = ()) -> list[Sequence]:
-        """A step that raised in a live worker is retried row by row: the row that raises alone fails
-        alone, the others go on (their caches are rewritten at the same positions). Prompt chunks that
-        rode in it are prefilled on their own first, each alone if need be."""
-        try:
-            return self._round(rows, chunks)
-        except StepError as e:
-            if chunks:
-                log.warning("a step carrying %d prompt chunks raised (%s); prefilling them on their own", len(chunks), e)
-                failed: list[Sequence] = []
-                self._run_prefills([(seq, chunk, None) for seq, chunk in chunks if seq in self.running], None, failed)
-                return failed + self._round_isolating([seq for seq in rows if seq in self.running])
-            if len(rows) == 1:
-                log.error("request %s failed: %s", rows[0].request_id, e, exc_info=e.__cause__)
-                self._fail(rows[0], INTERNAL_ERROR)
-                return rows
-            log.warning("a step of %d rows raised (%s); running each row alone", len(rows), e)
-            return [seq for row in rows for seq in self._round_isolating([row])]
+    def schedule(self) -> StepPlan:
+        """The next step: finished requests' state dropped, waiting requests admitted, prompt chunks
+        within the token budget (the decoding rows' verify tokens first), one round for every
+        decoding row. Positions are advanced as if the plan runs; update() fails what didn't."""
+        plan = StepPlan(remove=self._to_remove)
+        self._to_remove = []
+        self._admit(plan)
+        decoding = [s for s in self.running if not s.prefilling]
+        per_row = (self.spec.num_speculative_tokens if self.spec else 0) + 1
+        riding = self._plan_prefills(plan, self.max_num_batched_tokens - per_row * len(decoding), bool(decoding))
+        rows = [s for s in self.running if not s.prefilling]
+        if rows:
+            self._plan_round(plan, rows, riding)
+        elif riding:
+            plan.prefills.append(PrefillCall(riding, []))
+        return plan
 
-    def _round(self, rows: list[Sequence], chunks: list[tuple[Sequence, Prefill]] = ()) -> list[Sequence]:
-        """One propose / verify / sample round for the decoding rows; `chunks`: prompt chunks of
+    def _admit(self, plan: StepPlan) -> None:
+        """Admit waiting requests (new or preempted) while the batch has room and the target's pool
+        holds their tokens (after their prefix-cache hits). Their prompts are prefilled in chunks by
+        the steps that follow."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            resumed = seq.started
+            tokens = seq.all_ids  # a preempted request recomputes its output too
+            wants_scores = seq.params.prompt_logprobs is not None and \
+                (seq.prompt_logprobs is None or len(seq.prompt_logprobs) < len(seq.prompt_ids))
+            # prompt logprobs need every prompt position's logits: no cache hit for the first pass
+            if not self.target_kv.admit(seq.target, tokens, len(tokens) - 1, seq.cache_salt, not wants_scores):
+                if not self.running:  # nothing will free blocks: can't happen with check_request's bound
+                    raise RuntimeError("KV cache holds no blocks for a request that should fit")
+                break  # waits, in arrival order, for blocks to free up
+            self.waiting.popleft()
+            self.running.append(seq)
+            plan.requests[seq.seq_id] = seq
+            if not resumed:
+                self.counters.num_prompt_tokens += len(seq.prompt_ids)
+                self._start(seq, plan)
+            seq.prefill_draft = self._admit_draft(seq)
+            if wants_scores:
+                seq.prompt_logprobs = [None]  # the first token has none
+            seq.prefill_target = len(tokens) - 1  # the last token is fed by the first step
+
+    def _start(self, seq: Sequence, plan: StepPlan) -> None:
+        """A new request's state on the workers and the draft's view of its prompt (once: a
+        preempted request keeps both)."""
+        start = seq.acceptance if self.gate is None else \
+            self.gate.admit(self.acceptance, self.costs, len(self.running),
+                            min(seq.params.max_tokens or 0, self._budget(seq)), len(seq.prompt_ids))
+        if self.spec is None or start is None:  # gated: drafting can't pay at the acceptance measured
+            seq.drafts = False  # never drafts: no draft state, prefill or probes
+        else:
+            seq.acceptance = start  # the engine's prior, or an explorer's optimistic start
+        grammar = None if seq.grammar is None else \
+            RequestGrammar(seq.grammar, tuple(seq.output_ids), tuple(seq.params.stop_token_ids))
+        plan.start.append(RequestStart(seq.seq_id, seq.request_id, seq.seed, seq.drafts, grammar))
+        seq.draft_grammar_at = len(seq.output_ids)
+        seq.started = True
+        if seq.drafts and self.vocab_mapping is not None:  # the draft reads the text in its tokens
+            seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
+        elif seq.drafts:
+            seq.draft_ids = list(seq.prompt_ids)
+        if len(seq.draft_ids) >= self.draft_max_len:  # past the draft's context: the target goes alone
+            seq.drafts = False
+
+    def _admit_draft(self, seq: Sequence) -> int:
+        """The draft's blocks (its own prefix-cache hit included) and the position its prefill must
+        reach: where it is already when it prefills nothing (it doesn't draft, or drafting doesn't
+        pay at the batch size it will join, the waiting requests counted: it catches up if it
+        ever does). With adaptive K, a request whose output can't repay the draft's prefill at the
+        measured costs (a long prompt, a short answer) never drafts."""
+        if not seq.drafts or self.draft_kv is None:
+            return 0
+        ids = seq.draft_ids  # a preempted request's covers the output it had
+        if not self.draft_kv.admit(seq.draft, ids, len(ids) - 1, seq.cache_salt):
+            seq.drafts = False  # no room in the draft's pool now: this request decodes plainly
+            return 0
+        # the batch this request will decode in: the running ones and those waiting behind it
+        batch = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        if self.spec.adaptive and not prefill_pays(
+                self._budget(seq), len(ids) - 1 - seq.draft.computed,
+                self.costs.saving_per_token(batch, seq.acceptance.alpha), self.draft_prefill.per_token()):
+            self.draft_kv.free(seq.draft)
+            seq.drafts = False
+            return 0
+        if self.spec.adaptive and not self.costs.can_pay(batch):
+            return seq.draft.computed
+        return len(ids) - 1
+
+    def _plan_prefills(self, plan: StepPlan, budget: int, rounds: bool) -> list[Prefill]:
+        """Prompt chunks of admitted sequences, oldest first, up to `budget` tokens in each model this
+        step: one call per group for all of them (one forward or a few); a chunk writes the same keys
+        and values wherever it ends. A chunk whose prompt logprobs are wanted is a call of its own (its
+        logits span the vocabulary).
+
+        Where the target takes ragged rows, a prompt's last chunk is no prefill: the sequence joins
+        this step's round with the rest of its prompt as its pending tokens, and its first token
+        comes from that forward. When the step has a round (decoding rows, or such a sequence:
+        `rounds`), the target's other chunks are returned to ride in the round's forward: a long
+        prompt then costs the running streams no forward of their own per chunk. The draft's chunks
+        are prefilled before the round."""
+        targets: list[Prefill] = []
+        drafts: list[Prefill] = []
+        riding: list[Prefill] = []
+        for seq in [s for s in self.running if s.prefilling]:
+            if budget <= 0:
+                break
+            plan.requests[seq.seq_id] = seq
+            t0, d0 = seq.target.computed, seq.draft.computed
+            n_target = min(seq.prefill_target - t0, budget)
+            n_draft = min(seq.prefill_draft - d0, budget)
+            tokens = seq.all_ids if n_target > 0 else []
+            target = Prefill(seq.target.blocks, t0, tokens[t0:t0 + n_target], seq.seq_id) if n_target > 0 else None
+            draft = Prefill(seq.draft.blocks, d0, seq.draft_ids[d0:d0 + n_draft], seq.seq_id) if n_draft > 0 else None
+            budget -= max(n_target, n_draft, 0)
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) and target:
+                scored = (tokens[t0 + n_target], seq.params.prompt_logprobs)  # the token after the chunk
+                plan.prefills.append(PrefillCall([target], [draft] if draft else [], scored))
+            elif target is not None and t0 + n_target < seq.prefill_target:
+                riding.append(target)
+                drafts += [draft] if draft else []
+            elif target is not None and self.ragged_rows and d0 + n_draft >= seq.prefill_draft:
+                seq.prefill_target = t0  # the rest of its prompt: its first round's pending tokens
+                target = None
+                rounds = True
+                # ... and its last prompt token and first drafts: a decoding row's tokens
+                budget -= 1 + (self.spec.num_speculative_tokens if seq.drafts and self.spec else 0)
+                drafts += [draft] if draft else []
+            else:
+                targets += [target] if target else []
+                drafts += [draft] if draft else []
+            # the plan runs before update() sees it: positions move now (a chunk that fails, fails its request)
+            seq.target.computed += len(target.tokens) if target else 0
+            seq.draft.computed += len(draft.tokens) if draft else 0
+        if not rounds:  # no forward to ride in
+            targets, riding = targets + riding, []
+        if targets or drafts:
+            plan.prefills.append(PrefillCall(targets, drafts))
+        return riding
+
+    def _plan_round(self, plan: StepPlan, rows: list[Sequence], riding: list[Prefill]) -> None:
+        """One propose / verify / sample round for the decoding rows; `riding`: prompt chunks of
         prefilling sequences the target writes in the same forward."""
         start = time.perf_counter()
         ahead_on = self.spec is not None and self.spec.draft_ahead and self.ahead_policy.use(len(rows))
@@ -237,12 +339,14 @@ class Scheduler:
         pays = self.spec is not None and self.spec.adaptive and any(seq.drafts for seq in rows) \
             and self.costs.can_pay(len(rows))
         ks = [len(blk) if blk else self._num_drafts(seq, len(rows), pays) for seq, blk in zip(rows, blocks)]
-        rows, ks, blocks = self._make_room(rows, ks, blocks, ahead_on)
-        chunks = [(seq, chunk) for seq, chunk in chunks if seq in self.running]  # not preempted for room
+        rows, ks, blocks = self._make_room(plan, rows, ks, blocks, ahead_on)
+        riding = [c for c in riding if plan.requests[c.seq_id] in self.running]  # not preempted for room
         if not rows:
-            failed: list[Sequence] = []
-            self._run_prefills([(seq, chunk, None) for seq, chunk in chunks], None, failed)
-            return failed
+            if riding:
+                plan.prefills.append(PrefillCall(riding, []))
+            return
+        for seq in rows:
+            plan.requests[seq.seq_id] = seq
         sampling = [self._row_sampling(seq) for seq in rows]
         verify = VerifyBatch(
             seq_ids=[s.seq_id for s in rows],
@@ -251,7 +355,7 @@ class Scheduler:
             sampling=sampling,
             tables=[s.target.blocks for s in rows],
             ahead_counts=[len(blk) if blk else 0 for blk in blocks],
-            prefill=[chunk for _, chunk in chunks],
+            prefill=riding,
         )
         # the draft proposes unpenalized (any q keeps verification exact): no histories; a grammar's
         # state there learns the output tokens it hasn't seen
@@ -277,72 +381,10 @@ class Scheduler:
         # default app at K = 0 for good on a text whose drafts it accepted 99.7% of
         catches_up = any(rows[b].acceptance.steps_without_drafts > 0 for b in drafting)
         ahead = self._ahead_batch(rows, ks, blocks, draft_sampling) if ahead_on else None
-        ahead_rows = set(ahead.draft.seq_ids) if ahead is not None else set()
-        self.ahead_drafted += len(ahead_rows)
-        result = self.executor.step(verify, draft, ahead)
-        for seq, chunk in chunks:
-            seq.target.computed += len(chunk.tokens)
-            self._commit(seq)
-        proposed = {}
-        if result.ahead is not None:
-            proposed = {i: t for i, t in zip(result.ahead.seq_ids, result.ahead.tokens)
-                        if i not in result.ahead.errors}
-        for b, seq in enumerate(rows):
-            if b in result.errors:
-                self._fail(seq, RequestFailure.invalid(result.errors[b]))  # the row's own numbers
-                continue
-            k = ks[b]
-            if b in drafting and seq.grammar is not None:
-                seq.draft_grammar_at = len(seq.output_ids)
-            new, accepted = result.tokens[b], result.num_accepted[b]
-            seq.stats.observe(k, accepted)
-            seq.acceptance.observe(k, accepted)
-            self.acceptance.observe(k, accepted)
-            self.stats.observe(k, accepted)
-            n_pending = len(verify.pending[b])
-            seq.target.computed += n_pending + accepted
-            known = len(seq.draft_ids)  # before this step's tokens are appended
-            if seq.seq_id in ahead_rows:
-                # the draft cache holds draft_ids + this step's drafts (+ the next block's proposals
-                # fed while drafting it, sequentially); the next block is good when every draft was
-                # accepted and the bonus token is the block's first proposal
-                nxt = proposed.get(seq.seq_id)
-                if nxt is not None and len(nxt) == k + 1 and accepted == k and self._continues(new[-1], nxt[0], k):
-                    seq.ahead = nxt[1:]
-                    seq.draft.computed = known + k + (k if not self.spec.parallel_drafting else 0)
-                else:
-                    seq.draft.computed = known + accepted
-            elif k > 0:
-                # the draft cache now holds all of draft_ids (its pending tokens were fed) and drafts
-                # 1..k-1; with parallel drafting it saw mask tokens in their place, so only draft_ids
-                seq.draft.computed = known + (0 if self.spec.parallel_drafting else min(accepted, k - 1))
-            try:
-                self._append(seq, new, result.logprobs.get(b))
-            except Exception as e:  # noqa: BLE001 - e.g. detokenizing; fails this request only
-                log.error("request %s failed after the step", seq.request_id, exc_info=e)
-                seq.finish_reason, seq.error = "error", INTERNAL_ERROR
-            if seq.finished:
-                seq.ahead = None
-                self._release(seq)
-            else:
-                self._commit(seq)
-        elapsed = time.perf_counter() - start
-        if chunks or any(len(p) > 1 for p in verify.pending):
-            return rows  # a prefill's time in the target's forward: not what a round of these rows costs
-        if self.costs is not None:  # the whole round: its overhead beyond the forwards counts too
-            if catches_up:  # the draft's call was mostly a prefill: only the verify counts
-                self.costs.for_batch(len(ks)).observe(max(ks), 0.0, result.elapsed_s)
-            else:
-                self.costs.for_batch(len(ks)).observe(max(ks), result.draft_elapsed_s, result.elapsed_s, elapsed)
-        if self.spec is not None and self.spec.draft_ahead and max(ks) > 0:
-            self.ahead_policy.observe(len(rows), AheadRound(
-                ahead=ahead is not None, fresh=draft is not None, drafts=max(ks), draft_s=result.draft_elapsed_s,
-                verify_s=result.elapsed_s, ahead_s=result.ahead.elapsed_s if result.ahead is not None else 0.0,
-                wall_s=elapsed, all_accepted=all(result.num_accepted[b] == k for b, k in enumerate(ks)
-                                                 if k > 0 and b not in result.errors)))
-        return rows
+        self.ahead_drafted += len(ahead.draft.seq_ids) if ahead is not None else 0
+        plan.round = RoundPlan(verify, ks, draft, ahead, catches_up, time.perf_counter() - start)
 
-    def _make_room(self, rows: list[Sequence], ks: list[int], blocks: list, ahead_on: bool):
+    def _make_room(self, plan: StepPlan, rows: list[Sequence], ks: list[int], blocks: list, ahead_on: bool):
         """Blocks for every position this round writes, in both models. While the target's pool is
         short, the most recently admitted request is preempted (it may be one of these rows); a row
         whose draft can't grow drafts nothing this round."""
@@ -352,7 +394,7 @@ class Scheduler:
                 continue
             while not self.target_kv.grow(seq.target, seq.num_tokens + k):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, plan)
                 if victim is seq:
                     break
             if seq not in self.running:
@@ -369,26 +411,21 @@ class Scheduler:
         self.ahead_used += sum(1 for blk in keep_blocks if blk)
         return keep_rows, keep_ks, keep_blocks
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute later (vLLM v1's policy): its blocks go back, cached blocks of its prefix most
-        likely stay for its return. Its output, random streams and text are kept."""
+        likely stay for its return. Its output, random streams and text are kept; chunks this plan
+        would have written for it are dropped (their blocks may be another row's now)."""
         self.running.remove(seq)
         self._free_blocks(seq)
         seq.ahead = None
+        for call in plan.prefills:
+            call.target = [c for c in call.target if c.seq_id != seq.seq_id]
+            call.draft = [c for c in call.draft if c.seq_id != seq.seq_id]
+        plan.prefills = [call for call in plan.prefills if call.target or call.draft]
         self.target_kv.counters.preemptions += 1
         self.waiting.appendleft(seq)
         log.info("request %s preempted (KV cache full: %d running); it resumes when blocks free up",
                  seq.request_id, len(self.running))
-
-    def _commit(self, seq: Sequence) -> None:
-        """Hash the blocks this round filled with committed tokens, so later requests can share them."""
-        kv, bs = self.target_kv, self.target_kv.block_size
-        if kv.prefix_caching and seq.target.computed // bs > seq.target.hashed:
-            kv.commit(seq.target, seq.all_ids, seq.cache_salt, seq.target.computed)
-        if seq.drafts and self.draft_kv is not None:
-            upto = min(seq.draft.computed, len(seq.draft_ids) - 1)  # never the position the next step rewrites
-            if self.draft_kv.prefix_caching and upto // bs > seq.draft.hashed:
-                self.draft_kv.commit(seq.draft, seq.draft_ids, seq.cache_salt, upto)
 
     def _ahead_block(self, seq: Sequence) -> list[int] | None:
         """The drafts this row verifies from its draft-ahead block (None: it drafts afresh). Fewer
@@ -434,6 +471,98 @@ class Scheduler:
             return None
         return AheadBatch(DraftBatch(seq_ids, starts, pending, counts, rows_sampling, tables), fresh_from)
 
+    # -- applying what ran ---------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[Sequence]:
+        """Apply a plan's output: the sequences that got tokens or ended (finished ones included)."""
+        changed: list[Sequence] = []
+        for seq_id, why in output.failed.items():  # its part of a plan that raised, run alone, raised
+            seq = plan.requests[seq_id]
+            log.error("request %s failed: %s", seq.request_id, why)
+            self._fail(seq, INTERNAL_ERROR)
+            changed.append(seq)
+        for seq_id, got in output.prompt_logprobs.items():
+            seq = plan.requests[seq_id]
+            if not seq.finished:
+                seq.prompt_logprobs.extend(got)
+        if not plan.isolated:
+            for seconds, tokens in output.draft_prefill:  # the draft's prompt tokens alone: their cost
+                self.draft_prefill.observe(seconds, tokens)
+        riding = plan.round.verify.prefill if plan.round is not None else []
+        for chunk in [c for call in plan.prefills for c in call.target + call.draft] + riding:
+            seq = plan.requests[chunk.seq_id]
+            if not seq.finished and seq in self.running:
+                self._commit(seq)
+        if plan.round is not None and output.round is not None:
+            changed += self._apply_round(plan, output)
+        return changed
+
+    def _apply_round(self, plan: StepPlan, output: StepOutput) -> list[Sequence]:
+        start = time.perf_counter()
+        rnd, result = plan.round, output.round
+        rows = [plan.requests[seq_id] for seq_id in rnd.verify.seq_ids]
+        ks = rnd.ks
+        drafting = set(rnd.draft.seq_ids) if rnd.draft is not None else set()
+        proposed, ahead_cached = {}, {}
+        if result.ahead is not None:
+            for i, seq_id in enumerate(result.ahead.seq_ids):
+                if seq_id not in result.ahead.errors:
+                    proposed[seq_id] = result.ahead.tokens[i]
+                    ahead_cached[seq_id] = result.ahead.cached[i]
+        for b, seq in enumerate(rows):
+            if seq.finished:  # failed in this plan's prefill
+                continue
+            if b in result.errors:
+                self._fail(seq, RequestFailure.invalid(result.errors[b]))  # the row's own numbers
+                continue
+            k = ks[b]
+            if seq.seq_id in drafting and seq.grammar is not None:
+                seq.draft_grammar_at = len(seq.output_ids)
+            new, accepted = result.tokens[b], result.num_accepted[b]
+            seq.stats.observe(k, accepted)
+            seq.acceptance.observe(k, accepted)
+            self.acceptance.observe(k, accepted)
+            self.stats.observe(k, accepted)
+            seq.target.computed = result.cached[b]
+            # the draft cache holds what was last fed to it for this row, in order; of that, the
+            # committed text's prefix: draft_ids (before this step's tokens) and the accepted drafts,
+            # or, when the next block goes on from this step's last token, all it was fed
+            known = len(seq.draft_ids)
+            fed = ahead_cached.get(seq.seq_id, result.draft_cached.get(seq.seq_id, seq.draft.computed))
+            nxt = proposed.get(seq.seq_id)
+            if nxt is not None and len(nxt) == k + 1 and accepted == k and self._continues(new[-1], nxt[0], k):
+                seq.ahead = nxt[1:]
+                seq.draft.computed = fed
+            else:
+                seq.draft.computed = min(fed, known + accepted)
+            try:
+                self._append(seq, new, result.logprobs.get(b))
+            except Exception as e:  # noqa: BLE001 - e.g. detokenizing; fails this request only
+                log.error("request %s failed after the step", seq.request_id, exc_info=e)
+                seq.finish_reason, seq.error = "error", INTERNAL_ERROR
+            if seq.finished:
+                seq.ahead = None
+                self._release(seq)
+            else:
+                self._commit(seq)
+        if plan.isolated or rnd.verify.prefill or any(len(p) > 1 for p in rnd.verify.pending):
+            return rows  # a prefill's time in the target's forward: not what a round of these rows costs
+        # the whole round: its overhead beyond the forwards counts too
+        wall = rnd.plan_s + output.round_s + time.perf_counter() - start
+        if self.costs is not None:
+            if rnd.catches_up:  # the draft's call was mostly a prefill: only the verify counts
+                self.costs.for_batch(len(ks)).observe(max(ks), 0.0, result.elapsed_s)
+            else:
+                self.costs.for_batch(len(ks)).observe(max(ks), result.draft_elapsed_s, result.elapsed_s, wall)
+        if self.spec is not None and self.spec.draft_ahead and max(ks) > 0:
+            self.ahead_policy.observe(len(rows), AheadRound(
+                ahead=rnd.ahead is not None, fresh=rnd.draft is not None, drafts=max(ks),
+                draft_s=result.draft_elapsed_s, verify_s=result.elapsed_s,
+                ahead_s=result.ahead.elapsed_s if result.ahead is not None else 0.0, wall_s=wall,
+                all_accepted=all(result.num_accepted[b] == k for b, k in enumerate(ks)
+                                 if k > 0 and b not in result.errors)))
+        return rows
+
     def _continues(self, bonus: int, first: int, k: int) -> bool:
         """Whether the draft-ahead block goes on from this step's last token. Synthetic acceptance
         (benchmarks) accepts the block's first proposal as it would a draft at position k + 1."""
@@ -444,8 +573,13 @@ class Scheduler:
             (rates[-1] / rates[-2] if len(rates) > 1 and rates[-2] > 0 else rates[0])
         return self._synthetic_rng.random() < p
 
+    # -- failures --------------------------------------------------------------------------------
+
     def _fail(self, seq: Sequence, failure: RequestFailure) -> None:
         seq.finish_reason, seq.error = "error", failure
+        if seq in self.waiting:  # preempted in the plan that failed it
+            self.waiting.remove(seq)
+            self._to_remove.append(seq.request_id)
         self._release(seq)
 
     def fail_running(self, failure: RequestFailure) -> list[Sequence]:
@@ -469,177 +603,15 @@ class Scheduler:
         self.executor_down = True
         return failed
 
-    def _restart(self) -> None:
-        try:
-            self.executor.restart()
-            self.executor_down = self.rebuild_failed = False
-        except Exception:  # noqa: BLE001 - e.g. no resources for the new groups yet
-            log.exception("could not rebuild the model groups; retrying at the next step")
-            self.executor_down = self.rebuild_failed = True
-
-    def _flush_removals(self) -> None:
-        """Drop finished requests' per-request state on the workers (deferred, so that a failure
-        there surfaces at a step boundary, never in the middle of a round)."""
-        pending, self._to_remove = self._to_remove, []
-        for request_id in pending:
-            self.executor.remove_request(request_id)
-
-    # -- internals -------------------------------------------------------------------------
-
-    def _admit(self) -> list[Sequence]:
-        """Admit waiting requests (new or preempted) while the batch has room and the target's pool
-        holds their tokens (after their prefix-cache hits); return those that failed doing so. Their
-        prompts are prefilled in chunks by the steps that follow."""
-        failed = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            resumed = seq.started
-            tokens = seq.all_ids  # a preempted request recomputes its output too
-            wants_scores = seq.params.prompt_logprobs is not None and \
-                (seq.prompt_logprobs is None or len(seq.prompt_logprobs) < len(seq.prompt_ids))
-            # prompt logprobs need every prompt position's logits: no cache hit for the first pass
-            if not self.target_kv.admit(seq.target, tokens, len(tokens) - 1, seq.cache_salt, not wants_scores):
-                if not self.running:  # nothing will free blocks: can't happen with check_request's bound
-                    raise RuntimeError("KV cache holds no blocks for a request that should fit")
-                break  # waits, in arrival order, for blocks to free up
-            self.waiting.popleft()
-            if not resumed:
-                self.counters.num_prompt_tokens += len(seq.prompt_ids)
-            self.running.append(seq)  # from here on a failure ends it like any running sequence
-            try:
-                self._start(seq, resumed)
-                seq.prefill_draft = self._admit_draft(seq)
-            except (StepError, ValueError) as e:
-                log.error("request %s failed in admission", seq.request_id, exc_info=e)
-                self._fail(seq, INTERNAL_ERROR)
-                failed.append(seq)
-                continue
-            if wants_scores:
-                seq.prompt_logprobs = [None]  # the first token has none
-            seq.prefill_target = len(tokens) - 1  # the last token is fed by the first step
+    def fail_waiting(self, failure: RequestFailure) -> list[Sequence]:
+        """The groups can't be rebuilt now: the waiting requests end with the error instead of hanging."""
+        failed = list(self.waiting)
+        self.waiting.clear()
+        for seq in failed:
+            seq.finish_reason, seq.error = "error", failure
         return failed
 
-    def _prefill_chunks(self, budget: int, rounds: bool, failed: list[Sequence]) -> list[tuple[Sequence, Prefill]]:
-        """Prefill admitted sequences, oldest first, up to `budget` tokens in each model this step;
-        those that fail doing so go to `failed`. The chunks go to each model group in one call (one
-        forward or a few for all of them); a chunk writes the same keys and values wherever it ends.
-        A chunk whose prompt logprobs are wanted runs alone (its logits span the vocabulary).
-
-        Where the target takes ragged rows, a prompt's last chunk is no prefill: the sequence joins
-        this step's round with the rest of its prompt as its pending tokens, and its first token
-        comes from that forward. When the step has a round (decoding rows, or such a sequence:
-        `rounds`), the target's other chunks are returned instead of prefilled, to ride in the
-        round's forward: a long prompt then costs the running streams no forward of their own per
-        chunk. The draft's chunks are prefilled here, before the round."""
-        batch: list[tuple[Sequence, Prefill | None, Prefill | None]] = []
-        riding: list[tuple[Sequence, Prefill, Prefill | None]] = []
-        for seq in [s for s in self.running if s.prefilling]:
-            if budget <= 0:
-                break
-            t0, d0 = seq.target.computed, seq.draft.computed
-            n_target = min(seq.prefill_target - t0, budget)
-            n_draft = min(seq.prefill_draft - d0, budget)
-            tokens = seq.all_ids if n_target > 0 else []
-            target = Prefill(seq.target.blocks, t0, tokens[t0:t0 + n_target]) if n_target > 0 else None
-            draft = Prefill(seq.draft.blocks, d0, seq.draft_ids[d0:d0 + n_draft]) if n_draft > 0 else None
-            budget -= max(n_target, n_draft, 0)
-            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) and target:
-                scored = (tokens[t0 + n_target], seq.params.prompt_logprobs)  # the token after the chunk
-                self._run_prefills([(seq, target, draft)], scored, failed)
-            elif target is not None and t0 + n_target < seq.prefill_target:
-                riding.append((seq, target, draft))
-            elif target is not None and self.executor.ragged_rows and d0 + n_draft >= seq.prefill_draft:
-                seq.prefill_target = t0  # the rest of its prompt: its first round's pending tokens
-                rounds = True
-                # ... and its last prompt token and first drafts: a decoding row's tokens
-                budget -= 1 + (self.spec.num_speculative_tokens if seq.drafts and self.spec else 0)
-                if draft is not None:
-                    batch.append((seq, None, draft))
-            else:
-                batch.append((seq, target, draft))
-        if not rounds:  # no forward to ride in
-            batch += riding
-            riding = []
-        batch += [(seq, None, draft) for seq, _, draft in riding if draft is not None]
-        if batch:
-            self._run_prefills(batch, None, failed)
-        return [(seq, chunk) for seq, chunk, _ in riding if seq in self.running]
-
-    def _run_prefills(self, batch: list[tuple[Sequence, Prefill | None, Prefill | None]],
-                      scored: tuple[int, int] | None, failed: list[Sequence]) -> None:
-        """One prefill call for these chunks; if it raises, each sequence alone, so that only the
-        one whose chunk raises fails (the others' caches are rewritten at the same positions)."""
-        targets, drafts = [t for _, t, _ in batch if t], [d for _, _, d in batch if d]
-        start = time.perf_counter()
-        try:
-            got = self.executor.prefill(targets, drafts, scored) if targets or drafts else None
-        except (StepError, ValueError) as e:
-            if len(batch) > 1:
-                log.warning("a prefill of %d requests raised (%s); prefilling each alone", len(batch), e)
-                for one in batch:
-                    self._run_prefills([one], scored, failed)
-                return
-            seq = batch[0][0]
-            log.error("request %s failed in prefill", seq.request_id, exc_info=e)
-            self._fail(seq, INTERNAL_ERROR)
-            failed.append(seq)
-            return
-        if drafts and not targets:  # the draft's alone: its cost per prompt token
-            self.draft_prefill.observe(time.perf_counter() - start, sum(len(d.tokens) for d in drafts))
-        for seq, target, draft in batch:
-            if scored is not None:
-                seq.prompt_logprobs.extend(got or [])
-            seq.target.computed += len(target.tokens) if target else 0
-            seq.draft.computed += len(draft.tokens) if draft else 0
-            self._commit(seq)
-
-    def _start(self, seq: Sequence, resumed: bool) -> None:
-        """A new request's state on the workers and the draft's view of its prompt (once: a
-        preempted request keeps both)."""
-        if resumed:
-            return
-        start = seq.acceptance if self.gate is None else \
-            self.gate.admit(self.acceptance, self.costs, len(self.running),
-                            min(seq.params.max_tokens or 0, self._budget(seq)), len(seq.prompt_ids))
-        if self.spec is None or start is None:  # gated: drafting can't pay at the acceptance measured
-            seq.drafts = False  # never drafts: no draft state, prefill or probes
-        else:
-            seq.acceptance = start  # the engine's prior, or an explorer's optimistic start
-        grammar = None if seq.grammar is None else \
-            RequestGrammar(seq.grammar, tuple(seq.output_ids), tuple(seq.params.stop_token_ids))
-        self.executor.add_request(seq.request_id, seq.seed, draft=seq.drafts, grammar=grammar)
-        seq.draft_grammar_at = len(seq.output_ids)
-        seq.started = True
-        if seq.drafts and self.vocab_mapping is not None:  # the draft reads the text in its tokens
-            seq.draft_ids = self.vocab_mapping.draft_prompt(seq.prompt, seq.prompt_ids)
-        elif seq.drafts:
-            seq.draft_ids = list(seq.prompt_ids)
-        if len(seq.draft_ids) >= self.draft_max_len:  # past the draft's context: the target goes alone
-            seq.drafts = False
-
-    def _admit_draft(self, seq: Sequence) -> int:
-        """The draft's blocks (its own prefix-cache hit included) and the position its prefill must
-        reach: where it is already when it prefills nothing (it doesn't draft, or drafting doesn't
-        pay at the batch size it will join, the waiting requests counted: it catches up if it
-        ever does). With adaptive K, a request whose output can't repay the draft's prefill at the
-        measured costs (a long prompt, a short answer) never drafts."""
-        if not seq.drafts or self.draft_kv is None:
-            return 0
-        ids = seq.draft_ids  # a preempted request's covers the output it had
-        if not self.draft_kv.admit(seq.draft, ids, len(ids) - 1, seq.cache_salt):
-            seq.drafts = False  # no room in the draft's pool now: this request decodes plainly
-            return 0
-        # the batch this request will decode in: the running ones and those waiting behind it
-        batch = min(self.max_num_seqs, len(self.running) + len(self.waiting))
-        if self.spec.adaptive and not prefill_pays(
-                self._budget(seq), len(ids) - 1 - seq.draft.computed,
-                self.costs.saving_per_token(batch, seq.acceptance.alpha), self.draft_prefill.per_token()):
-            self.draft_kv.free(seq.draft)
-            seq.drafts = False
-            return 0
-        if self.spec.adaptive and not self.costs.can_pay(batch):
-            return seq.draft.computed
-        return len(ids) - 1
+    # -- bookkeeping -----------------------------------------------------------------------------
 
     def _free_blocks(self, seq: Sequence) -> None:
         self.target_kv.free(seq.target)
@@ -651,6 +623,16 @@ class Scheduler:
             self.running.remove(seq)
             self._free_blocks(seq)
             self._to_remove.append(seq.request_id)
+
+    def _commit(self, seq: Sequence) -> None:
+        """Hash the blocks this round filled with committed tokens, so later requests can share them."""
+        kv, bs = self.target_kv, self.target_kv.block_size
+        if kv.prefix_caching and seq.target.computed // bs > seq.target.hashed:
+            kv.commit(seq.target, seq.all_ids, seq.cache_salt, seq.target.computed)
+        if seq.drafts and self.draft_kv is not None:
+            upto = min(seq.draft.computed, len(seq.draft_ids) - 1)  # never the position the next step rewrites
+            if self.draft_kv.prefix_caching and upto // bs > seq.draft.hashed:
+                self.draft_kv.commit(seq.draft, seq.draft_ids, seq.cache_salt, upto)
 
     def _budget(self, seq: Sequence) -> int:
         """New tokens this sequence may still produce."""

@@ -29,6 +29,7 @@ class Prefill:
     table: list[int]
     start: int
     tokens: list[int]
+    seq_id: int = -1  # the sequence it belongs to (a failing step is retried per sequence)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class DraftOutput:
     probs: Tensor | None = None
     elapsed_s: float = 0.0  # the draft group's compute time for this batch
     errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why that row failed (its drafts are void)
+    # [B] positions of each row's draft cache that now hold what was fed to it in order (its pending
+    # tokens, then its own proposals but the last; with parallel drafting the pending tokens only)
+    cached: list[int] = field(default_factory=list)
 
     def for_seqs(self, seq_ids: list[int], spans: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], Tensor | None]:
         """Drafts in the order of `seq_ids` (none for a seq_id that was not drafted, or failed), and
@@ -95,7 +99,7 @@ class DraftOutput:
 
     def summary(self) -> "DraftOutput":
         """The proposals without their distributions (what the scheduler reads of a draft-ahead block)."""
-        return DraftOutput(self.seq_ids, self.tokens, None, self.elapsed_s, self.errors)
+        return DraftOutput(self.seq_ids, self.tokens, None, self.elapsed_s, self.errors, self.cached)
 
 
 def merge_drafts(seq_ids: list[int], fresh: DraftOutput | None, ahead: DraftOutput | None,
@@ -159,11 +163,15 @@ class AheadBatch:
 class VerifyOutput:
     tokens: list[list[int]]  # [B][1..k_b+1] tokens to append
     num_accepted: list[int] = field(default_factory=list)  # [B] accepted drafts
+    # [B] positions of each row's target cache that hold committed tokens: its pending ones and the
+    # drafts it accepted (the rest of what the forward wrote is rewritten by the next step)
+    cached: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it failed; its tokens are []
     # row -> one entry per emitted token, for rows that asked
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     elapsed_s: float = 0.0  # the target group's compute time (forward + rejection sampling)
     draft_elapsed_s: float = 0.0  # the draft group's, passed through (adaptive K measures both)
+    draft_cached: dict[int, int] = field(default_factory=dict)  # seq_id -> the fresh drafts' DraftOutput.cached
     ahead: DraftOutput | None = None  # draft-ahead: the next blocks' proposals (no distributions)
 
 

@@ -262,15 +262,15 @@ def test_a_request_whose_output_cant_repay_the_drafts_prefill_never_drafts():
     sched.draft_prefill.observe(0.1, 200)
     prompt = llm.get_tokenizer().encode("one two three four five six seven eight nine ten " * 40)[:300]
     assert len(prompt) == 300
-    few = sched.add("few", None, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    sched.step()
+    few = llm.core.add_request("few", None, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    llm.core.step()
     assert not few.drafts and not few.draft.blocks and few.draft.computed == 0
     while not few.finished:
-        sched.step()
+        llm.core.step()
     assert few.stats.num_drafts == 0 and len(few.output_ids) == 8
     measured_costs(sched.costs.for_batch(1))  # again: few's plain steps measured this machine's
-    many = sched.add("many", None, prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
-    sched.step()
+    many = llm.core.add_request("many", None, prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    llm.core.step()
     assert many.drafts and many.draft.computed >= len(prompt) - 1
 
 
@@ -285,17 +285,17 @@ def test_a_long_request_drafts_where_the_requests_before_it_did_not_pay():
     for _ in range(40):
         sched.acceptance.observe(3, 0)  # every draft of the requests before was rejected
     prompt = llm.get_tokenizer().encode("Write a very long story about a lighthouse keeper.")
-    short = sched.add("short", None, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    sched.step()
+    short = llm.core.add_request("short", None, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    llm.core.step()
     assert not short.drafts and not short.draft.blocks
     while not short.finished:
-        sched.step()
+        llm.core.step()
     measured_costs(sched.costs.for_batch(1))  # again: short's plain steps measured this machine's
-    long = sched.add("long", None, prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
-    sched.step()
+    long = llm.core.add_request("long", None, prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
+    llm.core.step()
     assert long.drafts and long.draft.computed >= len(prompt) - 1
     while len(long.output_ids) < 2:
-        sched.step()
+        llm.core.step()
     assert long.stats.num_draft_tokens >= 3
 
 
@@ -311,15 +311,15 @@ def test_a_probes_catch_up_is_not_measured_as_the_cost_of_a_draft_step():
     measured_costs(costs)
     for _ in range(20):
         sched.acceptance.observe(3, 3)  # the gate lets the request draft
-    seq = sched.add("r", None, [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
-    sched.step()
+    seq = llm.core.add_request("r", None, [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    llm.core.step()
     assert seq.drafts
     seq.acceptance = AcceptanceEstimate(accepted=0.01, trials=10.0)  # drafts stop paying: plain steps
     drafted = seq.stats.num_drafts
     while seq.stats.num_drafts == drafted:  # plain steps, then a probe of one draft
         measured_costs(costs)  # this machine's plain steps keep the costs where drafting may pay
         window = list(costs.draft_s)
-        sched.step()
+        llm.core.step()
         assert len(seq.output_ids) < 100, "no probe came"
     assert seq.acceptance.probe_every > PROBE_EVERY  # that was the probe, after PROBE_EVERY plain steps
     assert list(costs.draft_s) == window  # its catch-up call is not a draft step's cost

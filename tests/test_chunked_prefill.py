@@ -41,16 +41,15 @@ def test_greedy_tokens_do_not_depend_on_where_chunks_end(reference, budget, leng
 
 def test_running_streams_get_a_token_every_step_while_a_long_prompt_is_prefilled():
     llm = LLM(model=TARGET, max_model_len=1024, max_num_batched_tokens=32, speculative_config=SPEC)
-    sched = llm.core.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    short = sched.add("short", None, prompt_of(llm, 5)["prompt_token_ids"], params)
+    short = llm.core.add_request("short", None, prompt_of(llm, 5)["prompt_token_ids"], params)
     for _ in range(3):
-        sched.step()
-    long = sched.add("long", None, prompt_of(llm, 400)["prompt_token_ids"], params)
+        llm.core.step()
+    long = llm.core.add_request("long", None, prompt_of(llm, 400)["prompt_token_ids"], params)
     steps = 0
     while long.prefilling or not long.started:
         before = len(short.output_ids)
-        sched.step()
+        llm.core.step()
         steps += 1
         assert len(short.output_ids) > before  # the short stream never waits for the long prompt
     assert steps >= 400 // 32  # the prompt took several steps: at most 32 - 4 tokens each
@@ -73,9 +72,9 @@ def test_prompt_logprobs_are_the_same_in_chunks():
 def test_an_abort_in_mid_prefill_frees_its_blocks():
     llm = LLM(model=TARGET, max_model_len=512, max_num_batched_tokens=16)
     sched = llm.core.scheduler
-    seq = sched.add("long", None, prompt_of(llm, 300)["prompt_token_ids"], GREEDY)
-    sched.step()
-    sched.step()
+    seq = llm.core.add_request("long", None, prompt_of(llm, 300)["prompt_token_ids"], GREEDY)
+    llm.core.step()
+    llm.core.step()
     assert seq.prefilling and 0 < seq.target.computed < 299
     sched.abort("long")
     assert sched.target_kv.pool.num_free == sched.target_kv.pool.num_blocks - 1 and not sched.running
@@ -112,12 +111,12 @@ def test_one_step_prefills_its_requests_together_with_the_keys_and_values_of_eac
     alone = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=256, enable_prefix_caching=False,
                 cpu_isa=cpu_isa)
     prompts = [prompt_of(together, n)["prompt_token_ids"] for n in lengths]
-    seqs = [together.core.scheduler.add(f"r{i}", None, p, GREEDY) for i, p in enumerate(prompts)]
-    together.core.scheduler.step()
+    seqs = [together.core.add_request(f"r{i}", None, p, GREEDY) for i, p in enumerate(prompts)]
+    together.core.step()
     assert all(not s.prefilling and len(s.output_ids) == 1 for s in seqs)  # one step: prefill, first token
     for i, p in enumerate(prompts):
-        seq = alone.core.scheduler.add(f"a{i}", None, p, GREEDY)
-        alone.core.scheduler.step()
+        seq = alone.core.add_request(f"a{i}", None, p, GREEDY)
+        alone.core.step()
         for got, want in zip(_prompt_kv(together, seqs[i], len(p)), _prompt_kv(alone, seq, len(p))):
             assert torch.equal(got, want)
         assert seq.output_ids == seqs[i].output_ids
@@ -136,10 +135,10 @@ def test_on_int8_every_chunking_writes_the_same_keys_and_values_bit_for_bit(mode
                   cpu_isa=cpu_isa)
         assert llm.core.executor.target.worker.model.layers_take_any_rows
         prompt = prompt_of(llm, 300)["prompt_token_ids"]
-        seq = llm.core.scheduler.add("r", None, prompt, params)
+        seq = llm.core.add_request("r", None, prompt, params)
         steps[budget] = 0
         while not seq.output_ids:  # the first token comes from the step of the last chunk
-            llm.core.scheduler.step()
+            llm.core.step()
             steps[budget] += 1
         kv[budget] = _prompt_kv(llm, seq, len(prompt))
     assert steps == {b: -(-299 // b) for b in steps}  # the prompt but its last token, in chunks of the budget
@@ -158,11 +157,11 @@ def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits(cpu_
                 cpu_isa=cpu_isa)
     prompt = prompt_of(alone, 300)["prompt_token_ids"]
     want_stream = alone.generate(prompt_of(alone, 9), params)[0].outputs[0].token_ids
-    seq = alone.core.scheduler.add("long", None, prompt, params)
-    alone.core.scheduler.step()  # admitted and prefilled in one step
+    seq = alone.core.add_request("long", None, prompt, params)
+    alone.core.step()  # admitted and prefilled in one step
     want_kv = _prompt_kv(alone, seq, len(prompt))
     while not seq.finished:
-        alone.core.scheduler.step()
+        alone.core.step()
 
     llm = LLM(model=GEMMA3, max_model_len=512, max_num_batched_tokens=64, enable_prefix_caching=False,
               cpu_isa=cpu_isa)
@@ -171,20 +170,20 @@ def test_on_int8_chunks_ride_in_the_decode_steps_forward_with_the_same_bits(cpu_
     prefill_calls = []
     real_prefill = worker.prefill
     worker.prefill = lambda chunks, *a, **k: (prefill_calls.append(len(chunks)), real_prefill(chunks, *a, **k))[1]
-    stream = llm.core.scheduler.add("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
-    llm.core.scheduler.step()
+    stream = llm.core.add_request("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
+    llm.core.step()
     assert len(stream.output_ids) == 1 and not prefill_calls  # its prompt: its first round's pending tokens
-    long = llm.core.scheduler.add("long", None, prompt, params)
+    long = llm.core.add_request("long", None, prompt, params)
     steps = 0
     while long.prefilling or not long.started:
-        llm.core.scheduler.step()
+        llm.core.step()
         steps += 1
     assert steps == -(-299 // 63) and not prefill_calls  # no chunk had a forward of its own
     assert len(long.output_ids) == 1  # from the step of its last chunk
     for got, want in zip(_prompt_kv(llm, long, len(prompt)), want_kv):
         assert torch.equal(got, want)
     while not (stream.finished and long.finished):
-        llm.core.scheduler.step()
+        llm.core.step()
     assert stream.output_ids == want_stream and long.output_ids == seq.output_ids
 
 
@@ -195,11 +194,11 @@ def test_a_chunk_that_raises_in_a_decode_steps_forward_fails_its_request_alone(r
     ref_llm, want = reference
     llm = LLM(model=TARGET, max_model_len=256, max_num_batched_tokens=32, enable_prefix_caching=False)
     sched = llm.core.scheduler
-    stream = sched.add("stream", None, prompt_of(ref_llm, 15)["prompt_token_ids"], GREEDY)
-    sched.step()
-    poisoned = sched.add("poisoned", None, [5] * 100 + [10**6] + [5] * 100, GREEDY)
+    stream = llm.core.add_request("stream", None, prompt_of(ref_llm, 15)["prompt_token_ids"], GREEDY)
+    llm.core.step()
+    poisoned = llm.core.add_request("poisoned", None, [5] * 100 + [10**6] + [5] * 100, GREEDY)
     while not stream.finished:
-        sched.step()
+        llm.core.step()
     assert stream.output_ids == want[15]
     assert poisoned.finish_reason == "error" and "Traceback" not in poisoned.error.message
     assert "prompt chunks raised" in caplog.text
@@ -237,15 +236,14 @@ def test_on_int8_a_step_computes_at_most_the_budget_in_the_target():
             return real(tables, *args, **kwargs)
         setattr(worker, name, counted)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    sched = llm.core.scheduler
-    stream = sched.add("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
+    stream = llm.core.add_request("stream", None, prompt_of(llm, 9)["prompt_token_ids"], params)
     computed.append(0)
-    sched.step()
+    llm.core.step()
     # two prompts at once: the first's last chunk (100 - 60 = 40 tokens) and its drafts share a step
     # with the second's first chunk
-    firsts = [sched.add(f"long{i}", None, prompt_of(llm, 100)["prompt_token_ids"], params) for i in range(2)]
+    firsts = [llm.core.add_request(f"long{i}", None, prompt_of(llm, 100)["prompt_token_ids"], params) for i in range(2)]
     while not all(s.finished for s in [stream, *firsts]):
         computed.append(0)
-        sched.step()
+        llm.core.step()
     assert max(computed) <= budget, computed
     assert all(s.finish_reason == "length" for s in [stream, *firsts])
