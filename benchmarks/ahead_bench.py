@@ -49,7 +49,7 @@ class StepTimes:
         def timed(verify, draft, ahead=None):
             start = time.perf_counter()
             out = step(verify, draft, ahead)
-            policy = llm.core.scheduler.ahead_policy
+            policy = llm.core.scheduler.policy.ahead
             self.rows[policy.fixed if policy is not self.auto else None].append(
                 (out.draft_elapsed_s, out.elapsed_s, out.ahead.elapsed_s if out.ahead is not None else 0.0,
                  time.perf_counter() - start, draft is not None))
@@ -62,7 +62,7 @@ def run_pair(target: str, spec: dict, prompts: list[str], max_tokens: int, tempe
     llm = LLM(model=target, max_model_len=512, max_num_seqs=1, distributed_executor_backend="ray",
               disjoint_cores=True, speculative_config={**spec, "draft_ahead": True})
     times = StepTimes(llm)
-    llm.core.scheduler.ahead_policy = AheadPolicy(fixed=False)
+    llm.core.scheduler.policy.ahead = AheadPolicy(fixed=False)
     llm.generate(prompts[0], SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True))  # warm-up
     times.rows = {True: [], False: [], None: []}
     totals = {True: [0, 0.0, 0], False: [0, 0.0, 0], None: [0, 0.0, 0]}  # tokens, seconds, steps
@@ -75,7 +75,7 @@ def run_pair(target: str, spec: dict, prompts: list[str], max_tokens: int, tempe
         # prompt's turns take the same rounds and their ratio is all timing, not the luck of the draw
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=1000 + i)
         for mode in modes[i % 3:] + modes[: i % 3]:
-            llm.core.scheduler.ahead_policy = times.auto if mode is None else AheadPolicy(fixed=mode)
+            llm.core.scheduler.policy.ahead = times.auto if mode is None else AheadPolicy(fixed=mode)
             before = len(times.rows[mode])
             start = time.perf_counter()
             out = llm.generate(prompt, params)[0].outputs[0]

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from engine import SamplingParams
-from engine.adaptive import BatchCosts, expected_tokens
+from engine.adaptive import expected_tokens
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.core import EngineCore
+from engine.spec_policy import SpeculationPolicy
 from engine.verifier import Verifier
 
 RESULTS = Path(__file__).parent / "results"
@@ -39,19 +40,18 @@ PAIRS = {
 
 
 class SpecState:
-    """What the scheduler keeps per speculative config (stats, cost model, acceptance prior, the
+    """What the scheduler keeps per speculative config (stats, its speculation policy, the
     verifier), so configs can take turns on one engine without resetting each other."""
 
     def __init__(self, core: EngineCore, spec: SpeculativeConfig | None):
         self.spec = spec
-        self.costs = BatchCosts(spec.num_speculative_tokens) if spec else None
+        self.policy = SpeculationPolicy(spec, core.executor.overlaps_groups)
         self.stats = type(core.scheduler.stats)()
-        self.acceptance = type(core.scheduler.acceptance)(decay=core.scheduler.acceptance.decay)
         self.verifier = Verifier(core.executor.target.worker, spec)
 
     def activate(self, core: EngineCore) -> None:
         sched = core.scheduler
-        sched.spec, sched.costs, sched.stats, sched.acceptance = self.spec, self.costs, self.stats, self.acceptance
+        sched.spec, sched.policy, sched.stats = self.spec, self.policy, self.stats
         core.executor.target.verifier = self.verifier
 
 

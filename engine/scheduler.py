@@ -20,8 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine.adaptive import AcceptanceEstimate, BatchCosts, PrefillCost, SpeculationGate, adaptive_k, prefill_pays
-from engine.ahead_policy import AheadPolicy, AheadRound
+from engine.adaptive import AcceptanceEstimate
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import INTERNAL_ERROR, RequestFailure
@@ -29,6 +28,7 @@ from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
 from engine.output_processor import OutputProcessor
 from engine.plan import PrefillCall, RequestStart, RoundPlan, StepOutput, StepPlan
+from engine.spec_policy import DraftPrefill, MeasuredRound, SpeculationPolicy
 from engine.step import AheadBatch, DraftBatch, Prefill, RequestGrammar, RowSampling, TokenLogprob, VerifyBatch
 from engine.structured import GrammarCompiler
 from engine.vocab_mapping import VocabMapping
@@ -142,15 +142,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SpecDecodeStats()
         self.counters = EngineCounters()
-        self.costs = BatchCosts(self.spec.num_speculative_tokens, parallel=self.spec.parallel_drafting) \
-            if self.spec else None
-        self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
-        self.draft_prefill = PrefillCost()  # what the draft's prompt tokens cost (adaptive: worth it?)
-        self.gate = SpeculationGate(self.spec.num_speculative_tokens) if self.spec and self.spec.adaptive else None
+        self.policy = SpeculationPolicy(self.spec, groups.overlaps_groups)  # when and how far to speculate
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
-        # in one process the groups take turns: drafting ahead can't overlap anything there
-        self.ahead_policy = AheadPolicy(overlaps=groups.overlaps_groups)
         self.ahead_drafted = self.ahead_used = 0  # draft-ahead blocks drafted / verified next step
         self._synthetic_rng = random.Random(config.seed)
         self.executor_down = False  # the groups failed: the next step rebuilds them first
@@ -162,7 +156,7 @@ class Scheduler:
         seed = params.seed if params.seed is not None else next(self._seeds)
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         seq = Sequence(request_id, prompt, list(prompt_ids), params, seed, next(self._seq_ids), cache_salt, grammar,
-                       acceptance=self.acceptance.prior())
+                       acceptance=self.policy.prior())
         self.outputs.track(seq)
         self.waiting.append(seq)
         return seq
@@ -233,10 +227,9 @@ class Scheduler:
     def _start(self, seq: Sequence, plan: StepPlan) -> None:
         """A new request's state on the workers and the draft's view of its prompt (once: a
         preempted request keeps both)."""
-        start = seq.acceptance if self.gate is None else \
-            self.gate.admit(self.acceptance, self.costs, len(self.running),
-                            min(seq.params.max_tokens or 0, self._budget(seq)), len(seq.prompt_ids))
-        if self.spec is None or start is None:  # gated: drafting can't pay at the acceptance measured
+        start = self.policy.start(seq.acceptance, len(self.running), min(seq.params.max_tokens or 0, self._budget(seq)),
+                                  len(seq.prompt_ids))
+        if start is None:  # no speculation, or gated: drafting can't pay at the acceptance measured
             seq.drafts = False  # never drafts: no draft state, prefill or probes
         else:
             seq.acceptance = start  # the engine's prior, or an explorer's optimistic start
@@ -266,15 +259,13 @@ class Scheduler:
             return 0
         # the batch this request will decode in: the running ones and those waiting behind it
         batch = min(self.max_num_seqs, len(self.running) + len(self.waiting))
-        if self.spec.adaptive and not prefill_pays(
-                self._budget(seq), len(ids) - 1 - seq.draft.computed,
-                self.costs.saving_per_token(batch, seq.acceptance.alpha), self.draft_prefill.per_token()):
+        decision = self.policy.draft_prefill(self._budget(seq), len(ids) - 1 - seq.draft.computed, batch,
+                                             seq.acceptance.alpha)
+        if decision is DraftPrefill.NEVER:
             self.draft_kv.free(seq.draft)
             seq.drafts = False
             return 0
-        if self.spec.adaptive and not self.costs.can_pay(batch):
-            return seq.draft.computed
-        return len(ids) - 1
+        return seq.draft.computed if decision is DraftPrefill.LATER else len(ids) - 1
 
     def _plan_prefills(self, plan: StepPlan, budget: int, rounds: bool) -> list[Prefill]:
         """Prompt chunks of admitted sequences, oldest first, up to `budget` tokens in each model this
@@ -331,14 +322,12 @@ class Scheduler:
         """One propose / verify / sample round for the decoding rows; `riding`: prompt chunks of
         prefilling sequences the target writes in the same forward."""
         start = time.perf_counter()
-        ahead_on = self.spec is not None and self.spec.draft_ahead and self.ahead_policy.use(len(rows))
+        policy = self.policy.round(len(rows), any(seq.drafts for seq in rows))
+        ahead_on = policy.ahead
         blocks = [self._ahead_block(seq) if ahead_on else None for seq in rows]
         for seq in rows:
             seq.ahead = None  # used now or never: the draft cache moves on either way
-        # whether drafting can pay at this batch size: once per round, not per row
-        pays = self.spec is not None and self.spec.adaptive and any(seq.drafts for seq in rows) \
-            and self.costs.can_pay(len(rows))
-        ks = [len(blk) if blk else self._num_drafts(seq, len(rows), pays) for seq, blk in zip(rows, blocks)]
+        ks = [len(blk) if blk else self._num_drafts(seq, len(rows), policy.pays) for seq, blk in zip(rows, blocks)]
         rows, ks, blocks = self._make_room(plan, rows, ks, blocks, ahead_on)
         riding = [c for c in riding if plan.requests[c.seq_id] in self.running]  # not preempted for room
         if not rows:
@@ -487,7 +476,7 @@ class Scheduler:
                 seq.prompt_logprobs.extend(got)
         if not plan.isolated:
             for seconds, tokens in output.draft_prefill:  # the draft's prompt tokens alone: their cost
-                self.draft_prefill.observe(seconds, tokens)
+                self.policy.observe_draft_prefill(seconds, tokens)
         riding = plan.round.verify.prefill if plan.round is not None else []
         for chunk in [c for call in plan.prefills for c in call.target + call.draft] + riding:
             seq = plan.requests[chunk.seq_id]
@@ -520,8 +509,7 @@ class Scheduler:
                 seq.draft_grammar_at = len(seq.output_ids)
             new, accepted = result.tokens[b], result.num_accepted[b]
             seq.stats.observe(k, accepted)
-            seq.acceptance.observe(k, accepted)
-            self.acceptance.observe(k, accepted)
+            self.policy.observe_acceptance(seq.acceptance, k, accepted)
             self.stats.observe(k, accepted)
             seq.target.computed = result.cached[b]
             # the draft cache holds what was last fed to it for this row, in order; of that, the
@@ -549,18 +537,8 @@ class Scheduler:
             return rows  # a prefill's time in the target's forward: not what a round of these rows costs
         # the whole round: its overhead beyond the forwards counts too
         wall = rnd.plan_s + output.round_s + time.perf_counter() - start
-        if self.costs is not None:
-            if rnd.catches_up:  # the draft's call was mostly a prefill: only the verify counts
-                self.costs.for_batch(len(ks)).observe(max(ks), 0.0, result.elapsed_s)
-            else:
-                self.costs.for_batch(len(ks)).observe(max(ks), result.draft_elapsed_s, result.elapsed_s, wall)
-        if self.spec is not None and self.spec.draft_ahead and max(ks) > 0:
-            self.ahead_policy.observe(len(rows), AheadRound(
-                ahead=rnd.ahead is not None, fresh=rnd.draft is not None, drafts=max(ks),
-                draft_s=result.draft_elapsed_s, verify_s=result.elapsed_s,
-                ahead_s=result.ahead.elapsed_s if result.ahead is not None else 0.0, wall_s=wall,
-                all_accepted=all(result.num_accepted[b] == k for b, k in enumerate(ks)
-                                 if k > 0 and b not in result.errors)))
+        self.policy.observe_round(MeasuredRound(len(rows), ks, result, wall, rnd.catches_up, ahead=rnd.ahead is not None,
+                                                fresh=rnd.draft is not None))
         return rows
 
     def _continues(self, bonus: int, first: int, k: int) -> bool:
@@ -641,9 +619,7 @@ class Scheduler:
     def _num_drafts(self, seq: Sequence, batch: int, pays: bool) -> int:
         if self.spec is None:
             return 0
-        k = self.spec.num_speculative_tokens
-        if self.spec.adaptive:
-            k = adaptive_k(seq.acceptance, self.costs.for_batch(batch), k) if pays else 0
+        k = self.policy.num_drafts(seq.acceptance, batch, pays)
         # with another tokenizer the draft may need more tokens than the target for the same text
         # (Thai: ~6x): past its own context limit it stops drafting; the target goes on alone
         if not seq.drafts or len(seq.draft_ids) + k > self.draft_max_len:

@@ -103,8 +103,8 @@ def test_adaptive_reaches_zero_when_acceptance_is_zero():
 def test_adaptive_respects_the_maximum():
     llm = synthetic_llm(1.0, k=2)
     # make drafting look free, so the policy wants as many drafts as it may take
-    llm.core.scheduler.costs.for_batch(1).observe(0, 0.0, 1.0)
-    llm.core.scheduler.costs.for_batch(1).observe(2, 1e-6, 1.0)
+    llm.core.scheduler.policy.costs.for_batch(1).observe(0, 0.0, 1.0)
+    llm.core.scheduler.policy.costs.for_batch(1).observe(2, 1e-6, 1.0)
     out = llm.generate("hello", SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=0))[0]
     stats = out.spec_decode_stats
     assert len(stats.num_accepted_tokens_per_pos) == 2  # the maximum was used, never a third draft
@@ -256,10 +256,10 @@ def test_a_request_whose_output_cant_repay_the_drafts_prefill_never_drafts():
     llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
               max_model_len=1024, max_num_batched_tokens=1024)
     sched = llm.core.scheduler
-    measured_costs(sched.costs.for_batch(1))
+    measured_costs(sched.policy.costs.for_batch(1))
     for _ in range(20):
-        sched.acceptance.observe(3, 3)
-    sched.draft_prefill.observe(0.1, 200)
+        sched.policy.acceptance.observe(3, 3)
+    sched.policy.observe_draft_prefill(0.1, 200)
     prompt = llm.get_tokenizer().encode("one two three four five six seven eight nine ten " * 40)[:300]
     assert len(prompt) == 300
     few = llm.core.add_request("few", None, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -268,7 +268,7 @@ def test_a_request_whose_output_cant_repay_the_drafts_prefill_never_drafts():
     while not few.finished:
         llm.core.step()
     assert few.stats.num_drafts == 0 and len(few.output_ids) == 8
-    measured_costs(sched.costs.for_batch(1))  # again: few's plain steps measured this machine's
+    measured_costs(sched.policy.costs.for_batch(1))  # again: few's plain steps measured this machine's
     many = llm.core.add_request("many", None, prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     llm.core.step()
     assert many.drafts and many.draft.computed >= len(prompt) - 1
@@ -281,16 +281,16 @@ def test_a_long_request_drafts_where_the_requests_before_it_did_not_pay():
     llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
               max_model_len=1024)
     sched = llm.core.scheduler
-    measured_costs(sched.costs.for_batch(1))
+    measured_costs(sched.policy.costs.for_batch(1))
     for _ in range(40):
-        sched.acceptance.observe(3, 0)  # every draft of the requests before was rejected
+        sched.policy.acceptance.observe(3, 0)  # every draft of the requests before was rejected
     prompt = llm.get_tokenizer().encode("Write a very long story about a lighthouse keeper.")
     short = llm.core.add_request("short", None, prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     llm.core.step()
     assert not short.drafts and not short.draft.blocks
     while not short.finished:
         llm.core.step()
-    measured_costs(sched.costs.for_batch(1))  # again: short's plain steps measured this machine's
+    measured_costs(sched.policy.costs.for_batch(1))  # again: short's plain steps measured this machine's
     long = llm.core.add_request("long", None, prompt, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
     llm.core.step()
     assert long.drafts and long.draft.computed >= len(prompt) - 1
@@ -307,10 +307,10 @@ def test_a_probes_catch_up_is_not_measured_as_the_cost_of_a_draft_step():
     llm = LLM(model=TARGET, speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": True},
               max_model_len=1024)
     sched = llm.core.scheduler
-    costs = sched.costs.for_batch(1)
+    costs = sched.policy.costs.for_batch(1)
     measured_costs(costs)
     for _ in range(20):
-        sched.acceptance.observe(3, 3)  # the gate lets the request draft
+        sched.policy.acceptance.observe(3, 3)  # the gate lets the request draft
     seq = llm.core.add_request("r", None, [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     llm.core.step()
     assert seq.drafts

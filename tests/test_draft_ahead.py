@@ -38,7 +38,7 @@ def run(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
 def ahead_llm(model: str, spec: dict, **kw) -> LLM:
     """Draft-ahead on every step (the policy pinned: these tests are about what it outputs)."""
     llm = LLM(model=model, speculative_config={**spec, "draft_ahead": True}, **kw)
-    llm.core.scheduler.ahead_policy = AheadPolicy(fixed=True)
+    llm.core.scheduler.policy.ahead = AheadPolicy(fixed=True)
     return llm
 
 
@@ -224,7 +224,7 @@ def test_in_one_process_draft_ahead_never_runs(reference):
     pinned off (blocks would only cost) and the output is plain decoding's."""
     llm = LLM(model=TARGET, speculative_config={"model": TARGET, "num_speculative_tokens": 3, "draft_ahead": True})
     assert run(llm) == reference
-    assert llm.core.scheduler.ahead_drafted == 0 and not llm.core.scheduler.ahead_policy.use()
+    assert llm.core.scheduler.ahead_drafted == 0 and not llm.core.scheduler.policy.ahead.use()
 
 
 @pytest.fixture(scope="module")

@@ -287,7 +287,7 @@ def test_a_draft_ahead_block_is_verified_next_round_when_it_goes_on_from_the_bon
     the next round verifies the rest of the block with no fresh draft call; otherwise the block
     is dropped and the draft's cache claims none of it."""
     sched = scheduler(tokenizer, groups=Groups(overlaps_groups=True), draft_ahead=True)
-    sched.ahead_policy = AheadPolicy(fixed=True)
+    sched.policy.ahead = AheadPolicy(fixed=True)
     seq = sched.add("r", None, prompt(40), params(max_tokens=50))
     plan = sched.schedule()
     ahead = plan.round.ahead

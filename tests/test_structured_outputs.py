@@ -135,7 +135,7 @@ def test_greedy_regex_output_equals_plain(regex_reference, spec):
     if spec.get("draft_ahead"):
         from engine.ahead_policy import AheadPolicy
 
-        llm.core.scheduler.ahead_policy = AheadPolicy(fixed=True)
+        llm.core.scheduler.policy.ahead = AheadPolicy(fixed=True)
     out = texts(llm, greedy({"regex": REGEX}))
     assert out == regex_reference
     assert all(re.fullmatch(REGEX, t) for t in out), out

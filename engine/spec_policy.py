@@ -1,0 +1,118 @@
+"""When and how far to speculate: one place for the policies the scheduler consults while it plans
+a step, and for the measurements it feeds them after update().
+
+Consulted while planning: the speculation gate (`start`: does a new request draft at all?), the
+draft's prefill (`draft_prefill`: now, later, never), the round (`round`: draft-ahead on? can
+drafting pay at this batch size?) and each row's K (`num_drafts`: adaptive K or the configured K).
+Fed after update: acceptance (`observe_acceptance`), the draft's prompt cost (`observe_draft_prefill`)
+and each round's measured times (`observe_round`). The models behind them are engine/adaptive.py's
+(costs, acceptance) and engine/ahead_policy.py's.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from engine.adaptive import AcceptanceEstimate, BatchCosts, PrefillCost, SpeculationGate, adaptive_k, prefill_pays
+from engine.ahead_policy import AheadPolicy, AheadRound
+from engine.config import SpeculativeConfig
+from engine.step import VerifyOutput
+
+
+class DraftPrefill(enum.Enum):
+    NOW = "now"  # prefill the draft's view of the prompt with the target's
+    LATER = "later"  # drafting can't pay at this batch size now: it catches up if it ever does
+    NEVER = "never"  # its output can't repay the draft's prefill: the request decodes plainly
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    ahead: bool  # draft the next blocks while the target verifies
+    pays: bool  # adaptive K: drafting can pay at this batch size (once per round, not per row)
+
+
+@dataclass(frozen=True)
+class MeasuredRound:
+    """A round's shape and times, as update() saw them."""
+
+    rows: int
+    ks: list[int]
+    result: VerifyOutput
+    wall_s: float  # the whole round: planning, the call, applying it
+    catches_up: bool  # a drafting row first fed the draft the tokens it missed
+    ahead: bool  # it drafted the next blocks
+    fresh: bool  # it made fresh drafts
+
+
+class SpeculationPolicy:
+    def __init__(self, spec: SpeculativeConfig | None, overlaps_groups: bool):
+        self.spec = spec
+        self.k = spec.num_speculative_tokens if spec else 0
+        self.adaptive = spec is not None and spec.adaptive
+        self.costs = BatchCosts(self.k, parallel=spec.parallel_drafting) if spec else None
+        self.acceptance = AcceptanceEstimate(decay=0.98)  # engine-wide: a new request's prior
+        self.prefill_cost = PrefillCost()  # what the draft's prompt tokens cost (adaptive: worth it?)
+        self.gate = SpeculationGate(self.k) if self.adaptive else None
+        # in one process the groups take turns: drafting ahead can't overlap anything there
+        self.ahead = AheadPolicy(overlaps=overlaps_groups)
+
+    # -- consulted while planning ----------------------------------------------------------------
+
+    def prior(self) -> AcceptanceEstimate:
+        return self.acceptance.prior()
+
+    def start(self, acceptance: AcceptanceEstimate, running: int, max_new: int,
+              prompt_tokens: int) -> AcceptanceEstimate | None:
+        """A new request's starting acceptance estimate; None: it never drafts (no speculation, or the
+        gate found drafting can't pay at the acceptance measured)."""
+        if self.spec is None:
+            return None
+        if self.gate is None:
+            return acceptance
+        return self.gate.admit(self.acceptance, self.costs, running, max_new, prompt_tokens)
+
+    def draft_prefill(self, max_new: int, prompt_tokens: int, batch: int, alpha: float) -> DraftPrefill:
+        """Whether a request's draft prefills its prompt, in the batch it will decode in. With
+        adaptive K, a request whose output can't repay the draft's prefill at the measured costs (a
+        long prompt, a short answer) never drafts."""
+        if not self.adaptive:
+            return DraftPrefill.NOW
+        if not prefill_pays(max_new, prompt_tokens, self.costs.saving_per_token(batch, alpha),
+                            self.prefill_cost.per_token()):
+            return DraftPrefill.NEVER
+        return DraftPrefill.NOW if self.costs.can_pay(batch) else DraftPrefill.LATER
+
+    def round(self, rows: int, any_drafts: bool) -> RoundPolicy:
+        ahead = self.spec is not None and self.spec.draft_ahead and self.ahead.use(rows)
+        return RoundPolicy(ahead, self.adaptive and any_drafts and self.costs.can_pay(rows))
+
+    def num_drafts(self, acceptance: AcceptanceEstimate, rows: int, pays: bool) -> int:
+        """A row's K before its own limits: adaptive K's choice at this batch size, or the configured K."""
+        if not self.adaptive:
+            return self.k
+        return adaptive_k(acceptance, self.costs.for_batch(rows), self.k) if pays else 0
+
+    # -- fed after update --------------------------------------------------------------------------
+
+    def observe_acceptance(self, acceptance: AcceptanceEstimate, k: int, accepted: int) -> None:
+        acceptance.observe(k, accepted)
+        self.acceptance.observe(k, accepted)
+
+    def observe_draft_prefill(self, seconds: float, tokens: int) -> None:
+        """A call that prefilled only the draft's prompt tokens: their cost."""
+        self.prefill_cost.observe(seconds, tokens)
+
+    def observe_round(self, r: MeasuredRound) -> None:
+        """A decoding round's times (no prompt in its forward): the cost models' data."""
+        result, k = r.result, max(r.ks)
+        if self.costs is not None:
+            if r.catches_up:  # the draft's call was mostly a prefill: only the verify counts
+                self.costs.for_batch(r.rows).observe(k, 0.0, result.elapsed_s)
+            else:
+                self.costs.for_batch(r.rows).observe(k, result.draft_elapsed_s, result.elapsed_s, r.wall_s)
+        if self.spec is not None and self.spec.draft_ahead and k > 0:
+            self.ahead.observe(r.rows, AheadRound(
+                ahead=r.ahead, fresh=r.fresh, drafts=k, draft_s=result.draft_elapsed_s, verify_s=result.elapsed_s,
+                ahead_s=result.ahead.elapsed_s if result.ahead is not None else 0.0, wall_s=r.wall_s,
+                all_accepted=all(result.num_accepted[b] == kb for b, kb in enumerate(r.ks)
+                                 if kb > 0 and b not in result.errors)))
