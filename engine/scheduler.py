@@ -36,7 +36,7 @@ from engine.vocab_mapping import VocabMapping
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, never its fields, tells two apart
 class Sequence:
     request_id: str
     prompt: str | None
