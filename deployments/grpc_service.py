@@ -296,35 +296,34 @@ class GrpcServer:
         self.address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         self._servicer, self._max_bytes, self._share_port = servicer, max_message_bytes, share_port
         self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self._server = None
         self.port = 0
-        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._serve(),),
-                                        name="tandem-grpc", daemon=True)
+        # the loop runs forever and the server is started and stopped on it: a server whose loop
+        # also sat in wait_for_termination() took stop()'s whole grace period with no call in flight
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-grpc", daemon=True)
         self._thread.start()
-        self._ready.wait(60)
-        if self._error is not None:
-            raise RuntimeError(f"could not serve gRPC on {self.address}: {self._error}") from None
-
-    async def _serve(self) -> None:
         try:
-            # so_reuseport off: a port already taken (another server) is an error, not a shared port;
-            # on (share_port) for several replicas on one node: the kernel spreads connections
-            # among them (Linux lets only the same user's processes share a port)
-            self._server = grpc.aio.server(options=[("grpc.so_reuseport", int(self._share_port)),
-                                                    ("grpc.max_receive_message_length", self._max_bytes)])
-            pb_grpc.add_TandemServiceServicer_to_server(self._servicer, self._server)
-            self.port = self._server.add_insecure_port(self.address)
-            await self._server.start()
-        except BaseException as e:  # noqa: BLE001 - reported to the constructor
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        await self._server.wait_for_termination()
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(60)
+        except Exception as e:  # noqa: BLE001 - e.g. the port is taken
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise RuntimeError(f"could not serve gRPC on {self.address}: {e}") from None
+
+    async def _start(self) -> None:
+        # so_reuseport off: a port already taken (another server) is an error, not a shared port;
+        # on (share_port) for several replicas on one node: the kernel spreads connections
+        # among them (Linux lets only the same user's processes share a port)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self._share_port)),
+                                          ("grpc.max_receive_message_length", self._max_bytes)])
+        pb_grpc.add_TandemServiceServicer_to_server(self._servicer, server)
+        self.port = server.add_insecure_port(self.address)
+        await server.start()
+        self._server = server
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Refuse new calls; let those in flight finish for up to grace_s (a replica being drained)."""
         if self._server is not None and self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(grace_s + 5)
+            try:
+                asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(grace_s + 5)
+            finally:
+                self._server = None
+                self._loop.call_soon_threadsafe(self._loop.stop)
