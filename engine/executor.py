@@ -252,7 +252,6 @@ class RunsPlans:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         out = StepOutput()
-        begin = time.perf_counter()
         for request_id in plan.remove:
             self.remove_request(request_id)
         for s in plan.start:
@@ -266,7 +265,6 @@ class RunsPlans:
                 out.draft_prefill.append((time.perf_counter() - start, sum(len(c.tokens) for c in call.draft)))
         if plan.round is not None:
             start = time.perf_counter()
-            out.before_round_s = start - begin
             out.round = self.step(plan.round.verify, plan.round.draft, plan.round.ahead)
             out.round_s = time.perf_counter() - start
         return out

@@ -37,9 +37,6 @@ class PrefillCall:
     draft: list[Prefill]
     scored: tuple[int, int] | None = None  # (the token after the chunk, top n)
 
-    def seq_ids(self) -> set[int]:
-        return {c.seq_id for c in self.target + self.draft}
-
 
 @dataclass
 class RoundPlan:
@@ -123,5 +120,4 @@ class StepOutput:
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # seq_id -> a scored chunk's
     draft_prefill: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens): calls of draft chunks only
     round_s: float = 0.0  # the round's call, wall-clock
-    before_round_s: float = 0.0  # removals, starts and prefill calls, wall-clock
     failed: dict[int, str] = field(default_factory=dict)  # seq_id -> what raised in its part (it fails)

@@ -465,9 +465,8 @@ class Scheduler:
     def update(self, plan: StepPlan, output: StepOutput) -> list[Sequence]:
         """Apply a plan's output: the sequences that got tokens or ended (finished ones included)."""
         changed: list[Sequence] = []
-        for seq_id, why in output.failed.items():  # its part of a plan that raised, run alone, raised
+        for seq_id in output.failed:  # its part of a plan that raised, run alone, raised (EngineCore logged why)
             seq = plan.requests[seq_id]
-            log.error("request %s failed: %s", seq.request_id, why)
             self._fail(seq, INTERNAL_ERROR)
             changed.append(seq)
         for seq_id, got in output.prompt_logprobs.items():
