@@ -73,7 +73,40 @@ def decode_rate(llm: LLM, prompt: list[int], tokens: int, device: str) -> float:
     return tokens / (time.perf_counter() - t)
 
 
-def run(models: dict, k: int, acceptance_length: float, tokens: int, prompt_len: int) -> dict:
+def profile_decode(llm: LLM, prompt: list[int], device: str, out: Path, steps: int = 8) -> None:
+    """Where a plain decode step's time goes: torch.profiler over `steps` tokens (the ops by their own
+    host time and by device time), then cProfile over the same (the Python functions by their own time).
+    Written to `out`; the head of each printed."""
+    import cProfile
+    import io
+    import pstats
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    request = [{"prompt_token_ids": prompt}]
+    with profile(activities=activities) as prof:
+        llm.generate(request, params)
+        sync(device)
+    table = prof.key_averages()
+    text = f"{steps} decode tokens (and the prompt's prefill)\n\nops by host time\n"
+    text += table.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
+    if device == "cuda":
+        text += "\nops by device time\n" + table.table(sort_by="self_cuda_time_total", row_limit=15) + "\n"
+    python = cProfile.Profile()
+    t = time.perf_counter()
+    python.runcall(llm.generate, request, params)
+    sync(device)
+    wall = time.perf_counter() - t
+    buf = io.StringIO()
+    pstats.Stats(python, stream=buf).sort_stats("tottime").print_stats(30)
+    text += f"\nPython functions by own time ({1e3 * wall:.1f} ms wall under cProfile)\n" + buf.getvalue()
+    out.write_text(text)
+    print(text[:12000])
+
+
+def run(models: dict, k: int, acceptance_length: float, tokens: int, prompt_len: int,
+        profile: Path | None = None) -> dict:
     device, dtype = models["device"], getattr(torch, models["dtype"])
     common = dict(dtype=models["dtype"], device=device, max_model_len=prompt_len + tokens + 64, seed=0)
     # plain decoding first, then the same target with the draft: one engine at a time on the device
@@ -81,6 +114,8 @@ def run(models: dict, k: int, acceptance_length: float, tokens: int, prompt_len:
     vocab = len(plain.get_tokenizer())
     prompt = [(7 * i + 3) % (vocab - 3) + 3 for i in range(prompt_len)]  # past the special tokens
     plain_tok_s = decode_rate(plain, prompt, tokens, device)
+    if profile:
+        profile_decode(plain, prompt, device, profile)
     plain.shutdown()
     del plain
     if device == "cuda":
@@ -118,13 +153,15 @@ def main() -> None:
     p.add_argument("--acceptance-length", type=float, default=3.0, help="synthetic_acceptance_length, in [1, K+1]")
     p.add_argument("--tokens", type=int, default=None, help="output tokens per stream (default 256; dry run 32)")
     p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--profile", type=Path, default=None, help="also profile a few plain decode steps into this file")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default benchmarks/results/gpu_speed.json; "
                    "a dry run writes none unless given)")
     a = p.parse_args()
     models = DRY if a.dry_run else REAL
     if not a.dry_run:
         assert torch.cuda.is_available(), "no CUDA device: use --dry-run on a machine without a GPU"
-    row = run(models, a.k, a.acceptance_length, a.tokens or (32 if a.dry_run else 256), a.prompt_tokens)
+    row = run(models, a.k, a.acceptance_length, a.tokens or (32 if a.dry_run else 256), a.prompt_tokens,
+              a.profile)
     width = max(map(len, row))
     for key, value in row.items():
         print(f"{key:<{width}}  {value}")

@@ -38,7 +38,7 @@ def test_greedy_speculation_equals_plain_decoding(spec):
 
 @pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
 def test_sampling_is_lossless_on_cuda(draft_sample_method):
-    plain = LLM(model=TARGET, max_num_seqs=8)  # exact distributions computed on the CPU
+    plain = LLM(model=TARGET, device="cpu", dtype="float32", max_num_seqs=8)  # exact distributions, on the CPU
     llm = cuda_llm({"draft_sample_method": draft_sample_method})
     n = 4000
     params = [SamplingParams(temperature=t, top_p=tp, max_tokens=2, ignore_eos=True, seed=s)

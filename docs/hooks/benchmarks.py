@@ -527,6 +527,18 @@ SPECS: dict[str, Spec] = {
     ], note=lambda d: f"Milliseconds per forward; {d['context']} tokens cached, {d['threads']} threads; the floor is "
                       f"the weights' bytes at {d['bandwidth_gb_s']:.1f} GB/s, the fastest float32 matrix-vector "
                       "rate measured in the same run."),
+    "gpu_speed": Spec([
+        ("device", lambda r: r["device"]),
+        ("date", lambda r: r["date"]),
+        ("target / draft", lambda r: f"`{r['target']}` / `{r['draft']}`, {r['dtype']}"),
+        ("K, acceptance length", lambda r: f"{r['k']}, {r['mean_acceptance_length']:.2f}"),
+        ("plain tok/s", lambda r: num(r["plain_tok_s"])),
+        ("speculative tok/s", lambda r: num(r["spec_tok_s"])),
+        ("speculative / plain", lambda r: ratio(r["speedup"])),
+        ("plain step ms", lambda r: num(r["plain_step_ms"])),
+        ("weights at copy bandwidth ms", lambda r: f"{num(r['roofline_step_ms'])} ({pct(r['roofline_fraction'])})"),
+        ("speculative round ms", lambda r: num(r["spec_round_ms"])),
+    ]),
     "batch_bench": Spec([
         ("speculation", lambda r: "on (self-draft, K=3)" if r["speculation"] else "off"),
         ("requests in flight", lambda r: str(r["concurrency"])),
