@@ -161,6 +161,21 @@ def synthetic_sample(p: Probs | Tensor, drafts: Tensor, num_drafts: list[int], r
     return L.finish(accepted, p.rows(L.pos.gather(1, accepted[:, None]).squeeze(1)).sample(final))
 
 
+def ahead_block_continues(bonus: int, first: int, k: int, rates: list[float] | None, uniform: float) -> bool:
+    """Whether a draft-ahead block, proposed from the last draft before the round was verified, goes on
+    from the round's last token: when all k drafts were accepted and the target's bonus token is the
+    block's first proposal. Synthetic acceptance (`rates`, benchmarks) has no tokens to compare: the
+    block's first proposal is accepted as a draft at position k + 1 would be, with probability
+    rates[k] / rates[k - 1] (past the schedule's end, its last conditional rate), decided by `uniform`."""
+    if rates is None:
+        return bonus == first
+    if k < len(rates) and rates[k - 1] > 0:
+        p = rates[k] / rates[k - 1]
+    else:
+        p = rates[-1] / rates[-2] if len(rates) > 1 and rates[-2] > 0 else rates[0]
+    return uniform < p
+
+
 def verify_greedy(target_logits: Tensor, drafts: list[int]) -> list[int]:
     """target_logits [k+1, V]: accept while the draft equals the target's argmax, then the argmax
     (the reference the batched path must equal for greedy rows)."""

@@ -28,6 +28,7 @@ from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
 from engine.output_processor import OutputProcessor
 from engine.plan import PrefillCall, RequestStart, RoundPlan, StepOutput, StepPlan
+from engine.rejection import ahead_block_continues
 from engine.spec_policy import DraftPrefill, MeasuredRound, SpeculationPolicy
 from engine.step import AheadBatch, DraftBatch, Prefill, RequestGrammar, RowSampling, TokenLogprob, VerifyBatch
 from engine.structured import GrammarCompiler
@@ -146,7 +147,9 @@ class Scheduler:
         self._seeds = itertools.count(config.seed * 1_000_003)
         self._to_remove: list[str] = []
         self.ahead_drafted = self.ahead_used = 0  # draft-ahead blocks drafted / verified next step
-        self._synthetic_rng = random.Random(config.seed)
+        self._synthetic_rng = random.Random(config.seed)  # draft-ahead under synthetic acceptance
+        self._synthetic_rates = (self.spec.synthetic_rates()
+                                 if self.spec is not None and self.spec.rejection_sample_method == "synthetic" else None)
         self.executor_down = False  # the groups failed: the next step rebuilds them first
         self.rebuild_failed = False  # ... and the last try to rebuild them failed
 
@@ -517,7 +520,8 @@ class Scheduler:
             known = len(seq.draft_ids)
             fed = ahead_cached.get(seq.seq_id, result.draft_cached.get(seq.seq_id, seq.draft.computed))
             nxt = proposed.get(seq.seq_id)
-            if nxt is not None and len(nxt) == k + 1 and accepted == k and self._continues(new[-1], nxt[0], k):
+            if nxt is not None and len(nxt) == k + 1 and accepted == k and ahead_block_continues(
+                    new[-1], nxt[0], k, self._synthetic_rates, self._synthetic_rng.random() if self._synthetic_rates else 0.0):
                 seq.ahead = nxt[1:]
                 seq.draft.computed = fed
             else:
@@ -539,16 +543,6 @@ class Scheduler:
         self.policy.observe_round(MeasuredRound(len(rows), ks, result, wall, rnd.catches_up, ahead=rnd.ahead is not None,
                                                 fresh=rnd.draft is not None))
         return rows
-
-    def _continues(self, bonus: int, first: int, k: int) -> bool:
-        """Whether the draft-ahead block goes on from this step's last token. Synthetic acceptance
-        (benchmarks) accepts the block's first proposal as it would a draft at position k + 1."""
-        if self.spec.rejection_sample_method != "synthetic":
-            return bonus == first
-        rates = self.spec.synthetic_rates()
-        p = rates[k] / rates[k - 1] if k < len(rates) and rates[k - 1] > 0 else \
-            (rates[-1] / rates[-2] if len(rates) > 1 and rates[-2] > 0 else rates[0])
-        return self._synthetic_rng.random() < p
 
     # -- failures --------------------------------------------------------------------------------
 

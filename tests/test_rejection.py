@@ -5,7 +5,8 @@ import torch
 
 import itertools
 
-from engine.rejection import recovered_distribution, verify_block, verify_greedy, verify_standard, verify_synthetic
+from engine.rejection import (ahead_block_continues, recovered_distribution, verify_block, verify_greedy, verify_standard,
+                              verify_synthetic)
 from engine.sampling import probs_from_logits
 from stats import ALPHA, chi_squared_pvalue
 
@@ -144,3 +145,17 @@ def test_block_verification_is_lossless_and_accepts_more(k):
     p_std, acc_std = _first_two(verify_standard, k)
     assert p_block > ALPHA and p_std > ALPHA
     assert acc_block >= acc_std
+
+
+def test_a_draft_ahead_block_goes_on_only_from_the_token_it_was_drafted_from():
+    """Real acceptance: the block continues when the target's bonus token is its first proposal.
+    Synthetic (vLLM's unconditional rates): the block's first proposal is accepted as a draft at
+    position k + 1 would be, rates[k] / rates[k - 1], the schedule's last ratio past its end."""
+    assert ahead_block_continues(7, 7, 3, None, 0.0)
+    assert not ahead_block_continues(7, 8, 3, None, 0.0)
+    rates = [1.0, 1.0, 0.5, 0.0]  # mean acceptance length 3.5 at K=4
+    assert ahead_block_continues(1, 2, 1, rates, 0.999)  # position 2: 1.0 / 1.0
+    assert ahead_block_continues(1, 2, 2, rates, 0.49) and not ahead_block_continues(1, 2, 2, rates, 0.51)
+    assert not ahead_block_continues(1, 2, 3, rates, 0.0)  # 0.0 / 0.5
+    assert not ahead_block_continues(1, 2, 4, rates, 0.0)  # past the end: 0.0 / 0.5
+    assert ahead_block_continues(1, 2, 2, [1.0, 0.8], 0.79) and not ahead_block_continues(1, 2, 2, [1.0, 0.8], 0.81)
