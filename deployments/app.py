@@ -33,6 +33,7 @@ class ServeArgs(BaseModel):
     max_num_seqs: int | None = None  # EngineConfig's: unset, 16 on a CPU and 256 on a GPU
     block_size: int = 16  # EngineConfig's: tokens per KV block
     max_num_batched_tokens: int | None = None  # EngineConfig's: tokens per step (unset: 256 CPU, 2048 GPU)
+    prefill_stall_ms: float | None = None  # EngineConfig's: prompt chunks beside decoding streams (unset: 300 CPU)
     enable_prefix_caching: bool = True  # EngineConfig's
     seed: int = 0
     device: Device = "auto"
@@ -127,7 +128,7 @@ class ServeArgs(BaseModel):
                             max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,
                             max_num_seqs=self.max_num_seqs, seed=self.seed, device=self.device,
                             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_num_batched_tokens=self.max_num_batched_tokens, prefill_stall_ms=self.prefill_stall_ms,
                             distributed_executor_backend="ray", placement_strategy=self.placement_strategy,
                             disjoint_cores=self.disjoint_cores, gguf_weights=self.gguf_weights,
                             gpu_memory_utilization=self.gpu_memory_utilization,

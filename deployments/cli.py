@@ -53,6 +53,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one step computes per model: decode rows first, then prefill chunks "
                         "(default 256 on a CPU, 2048 on a GPU)")
+    p.add_argument("--prefill-stall-ms", type=float, default=None,
+                   help="while streams decode, size prompt chunks so a step that carries one takes about this long "
+                        "(measured; 0: off; default 300 on a CPU, off on a GPU)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share cached blocks of a common prompt prefix between requests (default on)")
     p.add_argument("--max-queued-requests", type=int, default=64,

@@ -200,6 +200,13 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(default=None, ge=1, description=(
         "Tokens one step computes per model: the decoding rows' verify tokens first, then prefill chunks. "
         "Unset: 256 on a CPU, 2048 on a GPU."))
+    # A step that carries a prompt chunk pauses every decoding stream for as long as the chunk takes,
+    # and a token costs 2-3x more on an AVX2 CPU than on an AVX-512 one: while streams decode, chunks are
+    # sized from measured step times instead (engine/prefill_pacing.py). 300 ms on a CPU: a long prompt's
+    # chunks pause the streams about that long (AVX2 EPYC, Gemma 3: ~650 ms with 256-token chunks).
+    prefill_stall_ms: float | None = Field(default=None, ge=0, description=(
+        "While streams decode, prompt chunks are sized from measured step times so that a step carrying one "
+        "takes about this long (within max_num_batched_tokens). 0: off. Unset: 300 on a CPU, off on a GPU."))
     enable_prefix_caching: bool = Field(default=True, description=(
         "Share the KV cache blocks of a common prompt prefix between requests (and their `cache_salt`)."))
     seed: int = Field(default=0, description="The engine's random seed (a request's own `seed` wins for it).")
@@ -304,6 +311,11 @@ class EngineConfig(BaseModel):
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 2048 if self.resolved_device() == "cuda" else 256
+
+    def resolved_prefill_stall_s(self) -> float:
+        if self.prefill_stall_ms is not None:
+            return self.prefill_stall_ms / 1000
+        return 0.0 if self.resolved_device() == "cuda" else 0.3
 
     def resolved_max_num_seqs(self) -> int:
         if self.max_num_seqs is not None:

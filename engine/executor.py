@@ -251,6 +251,7 @@ class RunsPlans:
     timed for the scheduler's cost model. Both executors share it."""
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        began = time.perf_counter()
         out = StepOutput()
         for request_id in plan.remove:
             self.remove_request(request_id)
@@ -267,6 +268,7 @@ class RunsPlans:
             start = time.perf_counter()
             out.round = self.step(plan.round.verify, plan.round.draft, plan.round.ahead)
             out.round_s = time.perf_counter() - start
+        out.execute_s = time.perf_counter() - began
         return out
 
 

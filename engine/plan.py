@@ -120,4 +120,5 @@ class StepOutput:
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # seq_id -> a scored chunk's
     draft_prefill: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens): calls of draft chunks only
     round_s: float = 0.0  # the round's call, wall-clock
+    execute_s: float = 0.0  # the whole plan, wall-clock (0: not measured)
     failed: dict[int, str] = field(default_factory=dict)  # seq_id -> what raised in its part (it fails)

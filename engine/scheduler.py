@@ -28,6 +28,7 @@ from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
 from engine.output_processor import OutputProcessor
 from engine.plan import PrefillCall, RequestStart, RoundPlan, StepOutput, StepPlan
+from engine.prefill_pacing import PrefillPacer
 from engine.rejection import ahead_block_continues
 from engine.spec_policy import DraftPrefill, MeasuredRound, SpeculationPolicy
 from engine.step import AheadBatch, DraftBatch, Prefill, RequestGrammar, RowSampling, TokenLogprob, VerifyBatch
@@ -133,6 +134,7 @@ class Scheduler:
             log.warning("max_num_batched_tokens %d leaves no room for prefill when max_num_seqs %d rows verify "
                         "their drafts: new prompts wait for running requests to finish",
                         self.max_num_batched_tokens, self.max_num_seqs)
+        self.pacer = PrefillPacer(config.resolved_prefill_stall_s())  # prompt chunks beside decoding streams
         self.ragged_rows = groups.ragged_rows
         # the executor sized the caches from the memory budget; each model keeps its own blocks
         self.target_kv = KVCacheManager(groups.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -193,7 +195,8 @@ class Scheduler:
         self._admit(plan)
         decoding = [s for s in self.running if not s.prefilling]
         per_row = (self.spec.num_speculative_tokens if self.spec else 0) + 1
-        riding = self._plan_prefills(plan, self.max_num_batched_tokens - per_row * len(decoding), bool(decoding))
+        budget = self.max_num_batched_tokens - per_row * len(decoding)
+        riding = self._plan_prefills(plan, self.pacer.tokens(len(decoding), budget), bool(decoding))
         rows = [s for s in self.running if not s.prefilling]
         if rows:
             self._plan_round(plan, rows, riding)
@@ -486,7 +489,25 @@ class Scheduler:
                 self._commit(seq)
         if plan.round is not None and output.round is not None:
             changed += self._apply_round(plan, output)
+        if not plan.isolated:
+            self.pacer.observe(*self._step_shape(plan), output.execute_s)
         return changed
+
+    @staticmethod
+    def _step_shape(plan: StepPlan) -> tuple[int, int]:
+        """(decoding rows, prompt tokens) of a plan, as the pacer counts them: a prompt's tokens in
+        either model, the larger of the two (the token budget's unit)."""
+        prompt: dict[int, list[int]] = {}
+        riding = plan.round.verify.prefill if plan.round is not None else []
+        target = [c for call in plan.prefills for c in call.target] + list(riding)
+        draft = [c for call in plan.prefills for c in call.draft]
+        for side, chunks in enumerate((target, draft)):
+            for c in chunks:
+                prompt.setdefault(c.seq_id, [0, 0])[side] += len(c.tokens)
+        rows = len(plan.round.verify.seq_ids) if plan.round is not None else 0
+        # a prompt's last chunk, as a row's pending tokens (the first of them is a decoding row's own)
+        last_chunks = sum(len(p) - 1 for p in plan.round.verify.pending) if plan.round is not None else 0
+        return rows, sum(max(t) for t in prompt.values()) + last_chunks
 
     def _apply_round(self, plan: StepPlan, output: StepOutput) -> list[Sequence]:
         start = time.perf_counter()
