@@ -7,7 +7,7 @@ GGUF file, with the same client, one server at a time, in one run.
 - stall: three greedy streams decode; then a ~1900-token prompt arrives. Each stream's longest gap
   between streamed chunks against its median gap, and the long prompt's TTFT; `--trials` times on
   each server (the worst gap of any trial, the median TTFT). Tandem runs it twice:
-  with its default max_num_batched_tokens and with a budget above the prompt (the prompt prefilled
+  with its defaults (chunks paced to prefill_stall_ms) and with a budget above the prompt, unpaced (the prompt prefilled
   in one step, as before chunked prefill).
 - long stream: one greedy stream of 1000 tokens; the time per token of tokens 900-1000 against
   tokens 50-150 (the host work per token must not grow with the output).
@@ -97,7 +97,7 @@ def main() -> None:
     result = {"cpu": cpu_model(), "isa": args.isa, "threads": args.threads, "date": time.strftime("%Y-%m-%d")}
     ray_started: list = []
     isa = TANDEM_ISA[args.isa]
-    sides = [("tandem", {**isa}), ("tandem, one-step prefill", {**isa, "max_num_batched_tokens": 8192})]
+    sides = [("tandem", {**isa}), ("tandem, one-step prefill", {**isa, "max_num_batched_tokens": 8192, "prefill_stall_ms": 0})]
     if not args.skip_llama:
         sides.append(("llama.cpp", None))
     for name, override in sides:

@@ -1,12 +1,10 @@
 """Prompt chunks beside decoding streams (engine/prefill_pacing.py): sized from measured step times so
-a step that carries one pauses the streams about prefill_stall_ms. The pacer alone, then in the
-scheduler with hand-made step times (no executor, no weights)."""
+a step that carries one pauses the streams about prefill_stall_ms. The pacer alone; in the scheduler
+with hand-made step times: tests/test_scheduler_plan.py."""
 import pytest
 
 from engine.config import EngineConfig
 from engine.prefill_pacing import PrefillPacer
-from test_scheduler_plan import Groups, params, prompt, run, scheduler  # noqa: F401 - fixtures below
-from test_scheduler_plan import tokenizer, word  # noqa: F401
 
 
 def test_the_pacer_sizes_a_chunk_from_the_measured_decode_round_and_token_cost():
@@ -40,39 +38,3 @@ def test_the_default_is_300_ms_on_a_cpu_and_off_on_a_gpu():
     assert EngineConfig(model="random:tiny-llama", device="cpu", prefill_stall_ms=0).resolved_prefill_stall_s() == 0
     with pytest.raises(ValueError):
         EngineConfig(model="random:tiny-llama", prefill_stall_ms=-1)
-
-
-def test_the_scheduler_shrinks_a_long_prompts_chunks_while_streams_decode_and_not_before(tokenizer, word):
-    sched = scheduler(tokenizer, k=None, max_len=2048, max_num_batched_tokens=256, prefill_stall_ms=300, max_num_seqs=4,
-                      groups=Groups(num_blocks=256))
-    streams = [sched.add(f"s{i}", None, prompt(8, 1000 + 10 * i), params(200)) for i in range(2)]
-    plan = sched.schedule()  # the streams' prompts, no decoding row yet: the whole budget
-    out = run(plan, word)
-    out.execute_s = 0.05
-    sched.update(plan, out)
-    for _ in range(3):  # decode rounds of 2 rows: 40 ms
-        plan = sched.schedule()
-        out = run(plan, word)
-        out.execute_s = 0.04
-        sched.update(plan, out)
-    long = sched.add("long", None, prompt(1000, 5000), params(4))
-    plan = sched.schedule()
-    (chunk,) = plan.round.verify.prefill  # rides in the round's forward
-    # the only prompt cost measured: the streams' own prompts, 14 tokens in 50 ms (fixed costs in it):
-    # a cautious first chunk
-    assert len(chunk.tokens) == int((0.3 - 0.04) / (0.05 / 14)) == 72
-    out = run(plan, word)
-    out.execute_s = 0.04 + 72 * 0.002  # 2 ms a prompt token
-    sched.update(plan, out)
-    plan = sched.schedule()
-    (chunk,) = plan.round.verify.prefill
-    per_token = (0.8 * 0.05 + 72 * 0.002) / (0.8 * 14 + 72)  # ~2.2 ms: the chunk's weight dominates
-    assert len(chunk.tokens) == int((0.3 - 0.04) / per_token) == 117
-    assert all(not s.finished for s in streams) and long.prefilling
-    # with no stream decoding, nobody waits: the whole budget
-    for s in streams:
-        sched.abort(s.request_id)
-    out = run(plan, word)
-    sched.update(plan, out)
-    plan = sched.schedule()
-    assert [len(c.tokens) for call in plan.prefills for c in call.target] == [256]

@@ -303,3 +303,39 @@ def test_a_draft_ahead_block_is_verified_next_round_when_it_goes_on_from_the_bon
     else:
         assert seq.ahead is None and seq.draft.computed == 43
         assert plan.round.draft.starts == [43] and plan.round.draft.pending == [[word]]
+
+
+def test_the_scheduler_shrinks_a_long_prompts_chunks_while_streams_decode_and_not_before(tokenizer, word):
+    sched = scheduler(tokenizer, k=None, max_len=2048, max_num_batched_tokens=256, prefill_stall_ms=300, max_num_seqs=4,
+                      groups=Groups(num_blocks=256))
+    streams = [sched.add(f"s{i}", None, prompt(8, 1000 + 10 * i), params(200)) for i in range(2)]
+    plan = sched.schedule()  # the streams' prompts, no decoding row yet: the whole budget
+    out = run(plan, word)
+    out.execute_s = 0.05
+    sched.update(plan, out)
+    for _ in range(3):  # decode rounds of 2 rows: 40 ms
+        plan = sched.schedule()
+        out = run(plan, word)
+        out.execute_s = 0.04
+        sched.update(plan, out)
+    long = sched.add("long", None, prompt(1000, 5000), params(4))
+    plan = sched.schedule()
+    (chunk,) = plan.round.verify.prefill  # rides in the round's forward
+    # the only prompt cost measured: the streams' own prompts, 14 tokens in 50 ms (fixed costs in it):
+    # a cautious first chunk
+    assert len(chunk.tokens) == int((0.3 - 0.04) / (0.05 / 14)) == 72
+    out = run(plan, word)
+    out.execute_s = 0.04 + 72 * 0.002  # 2 ms a prompt token
+    sched.update(plan, out)
+    plan = sched.schedule()
+    (chunk,) = plan.round.verify.prefill
+    per_token = (0.8 * 0.05 + 72 * 0.002) / (0.8 * 14 + 72)  # ~2.2 ms: the chunk's weight dominates
+    assert len(chunk.tokens) == int((0.3 - 0.04) / per_token) == 117
+    assert all(not s.finished for s in streams) and long.prefilling
+    # with no stream decoding, nobody waits: the whole budget
+    for s in streams:
+        sched.abort(s.request_id)
+    out = run(plan, word)
+    sched.update(plan, out)
+    plan = sched.schedule()
+    assert [len(c.tokens) for call in plan.prefills for c in call.target] == [256]
