@@ -5,6 +5,7 @@ and the same prompts through an in-process engine, in alternating batches of one
     .venv/bin/python benchmarks/serve_bench.py --url http://127.0.0.1:8000   # an already running server
     .venv/bin/python benchmarks/serve_bench.py --vs-plain --concurrency 1 4 8
     .venv/bin/python benchmarks/serve_bench.py --vs-llama [--concurrency 8] [--max-tokens 96]
+    .venv/bin/python benchmarks/serve_bench.py --local --concurrency 1   # where a served token's time goes
 
 --vs-plain: the default application against the same application without speculation (a second
 Serve app at /plain), both over HTTP, taking turns; reports each one's output tokens/s and, as the
@@ -16,6 +17,10 @@ Gemma GGUF file, with the same client: both servers up at once, idle while the o
 taking turns; reports aggregate output tokens/s and median TTFT per side and the median of the rounds'
 ratios. Needs benchmarks/llamacpp_setup.sh (llama-server). Writes one row per CPU to
 benchmarks/results/serve_vs_llama.json.
+
+--local: a third path, the same engine with its models in this process (no Ray actors, as
+`LLM.generate` runs them), taking turns with the other two: HTTP - engine is what Serve's proxy and
+replica add to a token, engine - local what the Ray actor calls add.
 
 Without --url it starts the application of serve_config.yaml in this process's Ray cluster on a
 free port. Reports TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99), request and
@@ -244,6 +249,8 @@ def main() -> None:
                     help="HTTP and in-process batches alternate this many times per concurrency")
     ap.add_argument("--vs-plain", action="store_true",
                     help="compare the default app with itself without speculation, instead of HTTP with in-process")
+    ap.add_argument("--local", action="store_true",
+                    help="also run the engine with its models in this process (no Ray actors): where a served token's time goes")
     ap.add_argument("--vs-llama", action="store_true",
                     help="compare the default app with llama.cpp's server on the same Gemma GGUF file")
     ap.add_argument("--threads", type=int, default=2, help="--vs-llama: llama-server's threads")
@@ -259,7 +266,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    url, engine = args.url, None
+    url, engine, local = args.url, None, None
     if url is None:
         # Both engines live at once so their batches can alternate and see the same machine noise;
         # each reserves one CPU per model group, hence the logical CPUs beyond the physical ones.
@@ -277,36 +284,45 @@ def main() -> None:
         else:
             engine = AsyncEngine(parse_args(app_args).engine_config(), use_ray=True)
             asyncio.run(engine_run(engine, prompts[:1], 1, 8))  # warm-up
+            if args.local:
+                local = AsyncEngine(parse_args(app_args).engine_config(), use_ray=False)
+                asyncio.run(engine_run(local, prompts[:1], 1, 8))
     asyncio.run(http_run(url, model, prompts[:1], 1, 8))  # warm-up
     second = "plain" if args.vs_plain else "engine"
     if args.vs_plain:
         asyncio.run(http_run(url, model, prompts[:1], 1, 8, "/plain"))
 
-    results = {"http": {}, second: {}}
+    paths = ["http", second] + (["local"] if local is not None else [])
+    results = {path: {} for path in paths}
     for c in args.concurrency:
-        runs = {"http": [], second: []}
+        runs = {path: [] for path in paths}
         for r in range(args.rounds):
-            order = ["http", second] if r % 2 == 0 else [second, "http"]
+            order = paths if r % 2 == 0 else paths[::-1]
             for path in order:
                 if path == "http":
                     runs[path].append(asyncio.run(http_run(url, model, prompts, c, args.max_tokens)))
                 elif path == "plain":
                     runs[path].append(asyncio.run(http_run(url, model, prompts, c, args.max_tokens, "/plain")))
-                elif engine is not None:
+                elif path == "engine" and engine is not None:
                     runs[path].append(asyncio.run(engine_run(engine, prompts, c, args.max_tokens)))
+                elif path == "local":
+                    runs[path].append(asyncio.run(engine_run(local, prompts, c, args.max_tokens)))
         for path, batches in runs.items():
             if batches:
                 results[path][c] = summarize([rec for b in batches for rec in b["records"]],
                                              sum(b["wall"] for b in batches))
         if runs.get("engine"):
             results.setdefault("paired", {})[c] = paired(runs["http"], runs["engine"])
+        if runs.get("local"):
+            results.setdefault("paired_engine_local", {})[c] = paired(runs["engine"], runs["local"])
         if runs.get("plain"):  # each round's own ratio: its two batches ran back to back
             results.setdefault("round_ratios", {})[c] = [
                 summarize(h["records"], h["wall"])["output_throughput"] / summarize(p["records"], p["wall"])["output_throughput"]
                 for h, p in zip(runs["http"], runs["plain"])]
     results["acceptance"] = acceptance(url)
-    if engine is not None:
-        engine.shutdown()
+    for e in (engine, local):
+        if e is not None:
+            e.shutdown()
     if args.url is None:
         serve.shutdown()
 
@@ -316,7 +332,7 @@ def main() -> None:
     print(f"{'path':<8}{'C':>3}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}"
           f"{'req/s':>7}{'tok/s':>7}")
     for path, by_c in results.items():
-        if path in ("acceptance", "paired", "speculative_over_plain", "round_ratios"):
+        if path in ("acceptance", "paired", "paired_engine_local", "speculative_over_plain", "round_ratios"):
             continue
         for c, r in by_c.items():
             print(f"{path:<8}{c:>3}{r['ttft_ms']['p50']:>10.1f}{r['ttft_ms']['p99']:>10.1f}{r['tpot_ms']['p50']:>10.1f}"
@@ -329,14 +345,23 @@ def main() -> None:
             f"C={c} {r:.2f}x ({min(results['round_ratios'][c]):.2f}-{max(results['round_ratios'][c]):.2f})"
             for c, r in ratios.items()))
     elif results["engine"]:
-        h, e = results["http"][args.concurrency[0]], results["engine"][args.concurrency[0]]
-        p = results["paired"][args.concurrency[0]]
-        print(f"at concurrency {args.concurrency[0]}: TPOT http/in-process {h['tpot_ms']['p50'] / e['tpot_ms']['p50']:.2f}x, "
+        c = args.concurrency[0]
+        h, e = results["http"][c], results["engine"][c]
+        p = results["paired"][c]
+        print(f"at concurrency {c}: TPOT http/in-process {h['tpot_ms']['p50'] / e['tpot_ms']['p50']:.2f}x, "
               f"TTFT overhead p50 {h['ttft_ms']['p50'] - e['ttft_ms']['p50']:+.1f} ms; paired by request: "
               f"TPOT {p['tpot_ratio']:.2f}x, TTFT {p['ttft_overhead_ms']:+.1f} ms (medians)")
-    out = ROOT / "benchmarks" / "results" / ("serve_bench_vs_plain.json" if args.vs_plain else "serve_bench.json")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
+        if results.get("local"):
+            local, q = results["local"][c], results["paired_engine_local"][c]
+            print(f"a token's time at concurrency {c} (TPOT p50): {local['tpot_ms']['p50']:.1f} ms models in this "
+                  f"process, {e['tpot_ms']['p50']:.1f} behind Ray actors, {h['tpot_ms']['p50']:.1f} over HTTP; "
+                  f"paired by request: actors {q['tpot_ratio']:.2f}x in-process")
+    from machine import cpu_model, save
+
+    row = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "paths": " ".join(paths),
+           "requests": args.num_requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
+           **json.loads(json.dumps(results))}  # concurrency keys as the file holds them (strings)
+    print(f"wrote {save('serve_bench_vs_plain' if args.vs_plain else 'serve_bench', row, key=('cpu', 'paths'))}")
 
 
 if __name__ == "__main__":

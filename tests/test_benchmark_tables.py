@@ -54,10 +54,10 @@ def expected_rows(name: str) -> int:
         return sum(len(m["batches"]) * 3 for m in data)
     if name == "pard_bench":
         return len(data["speedups"])
-    if name == "serve_bench":
-        return len(data["http"]) + len(data["engine"])
+    if name == "serve_bench":  # one row per machine, path and concurrency
+        return sum(len(m[p]) for m in data for p in ("http", "engine", "local") if p in m)
     if name == "serve_bench_vs_plain":
-        return len(data["http"])
+        return sum(len(m["http"]) for m in data)
     if isinstance(data, list):
         return len(data)
     return len(data["rows"]) if "rows" in data else 1

@@ -389,19 +389,39 @@ def struct_accept(row, b, key):
     return None if a is None or (a == 0 and key.startswith("adaptive")) else a
 
 
-SERVE_PATHS = {"http": "HTTP", "engine": "in-process"}
+SERVE_PATHS = {"http": "HTTP", "engine": "engine, Ray actors", "local": "engine, models in process"}
+SERVE_RUN_KEYS = {"cpu", "date", "paths", "requests", "max_tokens", "rounds", "acceptance", "paired",
+                  "paired_engine_local"}
 
 
-def serve_rows(data: dict) -> list:
-    unknown = set(data) - {"http", "engine", "paired", "acceptance"}
-    if unknown:
-        raise ValueError(f"serve_bench keys this page does not know: {sorted(unknown)}")
-    return [{"path": p, "c": c, **v} for p in SERVE_PATHS for c, v in data[p].items()]
+def serve_rows(data: list) -> list:
+    out = []
+    for m in data:
+        unknown = set(m) - SERVE_RUN_KEYS - set(SERVE_PATHS)
+        if unknown:
+            raise ValueError(f"serve_bench keys this page does not know: {sorted(unknown)}")
+        out += [{"_m": m, "path": p, "c": c, **v} for p in SERVE_PATHS for c, v in m.get(p, {}).items()]
+    return out
 
 
-def vs_plain_rows(data: dict) -> list:
-    return [{"c": c, "spec": v, "plain": data["plain"][c], "ratio": data["speculative_over_plain"][c],
-             "rounds": data["round_ratios"][c]} for c, v in data["http"].items()]
+def serve_note(data: list) -> str:
+    """Each run's acceptance and its paired comparisons, by machine."""
+    lines = []
+    for m in data:
+        paired = " ".join(
+            f"Concurrency {c}: TPOT over HTTP {p['tpot_ratio']:.2f}x the engine's behind Ray actors, TTFT "
+            f"{p['ttft_overhead_ms']:+.1f} ms" + (
+                f"; behind Ray actors {m['paired_engine_local'][c]['tpot_ratio']:.2f}x with the models in process"
+                if c in m.get("paired_engine_local", {}) else "") + " (medians paired by request)."
+            for c, p in m.get("paired", {}).items())
+        lines.append(f"{machine(m['cpu'])}: acceptance rate {m['acceptance']['acceptance_rate']:.2f}, mean "
+                     f"acceptance length {m['acceptance']['mean_acceptance_length']:.2f}. {paired}".strip())
+    return "Milliseconds. " + " ".join(lines)
+
+
+def vs_plain_rows(data: list) -> list:
+    return [{"_m": m, "c": c, "spec": v, "plain": m["plain"][c], "ratio": m["speculative_over_plain"][c],
+             "rounds": m["round_ratios"][c]} for m in data for c, v in m["http"].items()]
 
 
 def pard_rows(data: dict) -> list:
@@ -648,10 +668,7 @@ SPECS: dict[str, Spec] = {
         ("E2E p50", lambda r: num(r["e2e_ms"]["p50"])),
         ("req/s", lambda r: f"{r['request_throughput']:.2f}"),
         ("tok/s", lambda r: num(r["output_throughput"])),
-    ], note=lambda d: "Milliseconds. Acceptance rate {:.2f}, mean acceptance length {:.2f}. ".format(
-        d["acceptance"]["acceptance_rate"], d["acceptance"]["mean_acceptance_length"]) + " ".join(
-        f"Paired by request at concurrency {c}: TPOT over HTTP {p['tpot_ratio']:.2f}x in-process, TTFT "
-        f"{p['ttft_overhead_ms']:+.1f} ms (medians)." for c, p in d.get("paired", {}).items()), rows=serve_rows),
+    ], note=serve_note, rows=serve_rows, per_machine=True),
     "serve_bench_vs_plain": Spec([
         ("concurrency", lambda r: r["c"]),
         ("default app tok/s", lambda r: num(r["spec"]["output_throughput"])),
@@ -659,8 +676,9 @@ SPECS: dict[str, Spec] = {
         ("ratio (rounds)", lambda r: f"{ratio(r['ratio'])} ({rng([min(r['rounds']), max(r['rounds'])])})"),
         ("TPOT p50, default app / plain",
          lambda r: f"{num(r['spec']['tpot_ms']['p50'])} / {num(r['plain']['tpot_ms']['p50'])} ms"),
-    ], note=lambda d: "Acceptance rate {:.2f}, mean acceptance length {:.2f}.".format(
-        d["acceptance"]["acceptance_rate"], d["acceptance"]["mean_acceptance_length"]), rows=vs_plain_rows),
+    ], note=lambda d: " ".join("{}: acceptance rate {:.2f}, mean acceptance length {:.2f}.".format(
+        machine(m["cpu"]), m["acceptance"]["acceptance_rate"], m["acceptance"]["mean_acceptance_length"])
+        for m in d), rows=vs_plain_rows, per_machine=True),
     "soak": Spec([
         ("app", soak_name),
         ("clients", lambda r: str(r["clients"])),
