@@ -23,12 +23,19 @@ def test_the_pacer_sizes_a_chunk_from_the_measured_decode_round_and_token_cost()
     assert PrefillPacer(0.0).tokens(3, 252) == 252  # off
 
 
-def test_a_few_token_prompt_moves_the_cost_per_token_little():
+def test_short_prompts_only_stand_in_until_a_chunk_is_measured():
     pacer = PrefillPacer(0.3)
+    pacer.observe(0, 9, 0.026)  # short prompts arriving one by one beside new streams (8 HTTP requests
+    pacer.observe(1, 15, 0.027)  # at once): mostly fixed costs, ~2 ms a token if read as a cost per token
+    assert pacer.per_token_s == pytest.approx((0.8 * 0.026 + 0.027) / (0.8 * 9 + 15))
+    assert pacer.tokens(1, 256) == int(0.3 / pacer.per_token_s) < 256  # a cautious first chunk
     pacer.observe(2, 0, 0.03)
-    pacer.observe(2, 256, 0.03 + 256 * 0.001)
-    pacer.observe(2, 4, 0.03 + 0.02)  # fixed costs: 5 ms a token if taken alone
-    assert pacer.per_token_s < 0.0012
+    pacer.observe(2, 256, 0.03 + 256 * 0.001)  # a real chunk: 1 ms a token
+    assert pacer.per_token_s == pytest.approx(0.001)
+    for _ in range(20):  # chat traffic: many short prompts beside the streams
+        pacer.observe(2, 4, 0.03 + 0.02)  # 5 ms a token if taken alone
+    assert pacer.per_token_s == pytest.approx(0.001)  # they don't move the chunks' estimate
+    assert pacer.tokens(2, 512) == 270
     pacer.observe(2, 0, 0.0)  # not measured: ignored
     assert pacer.decode_s(2) == pytest.approx(0.03)
 
