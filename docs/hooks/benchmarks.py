@@ -258,6 +258,15 @@ def chunked_over_one_step(m: dict) -> str:
     return f"{100 * (chunked / one_step - 1):+.1f}%"
 
 
+def paced_over_unpaced(m: dict) -> str:
+    """--unpaced runs: the paced chunks' worst gap and TTFT against the same chunks unpaced."""
+    if "tandem, unpaced chunks" not in m:
+        return "-"
+    paced, unpaced = stall(m["tandem"]), stall(m["tandem, unpaced chunks"])
+    return (f"gap {MS(paced['worst_gap_ms'])} vs {MS(unpaced['worst_gap_ms'])}, TTFT "
+            f"{MS(paced['long_prompt_ttft_ms'])} vs {MS(unpaced['long_prompt_ttft_ms'])}")
+
+
 def ab_rates(b: dict) -> str:
     return f"{num(b['base_tok_s'])} / {num(b['new_tok_s'])}"
 
@@ -485,6 +494,7 @@ SPECS: dict[str, Spec] = {
         ("worst gap / median gap", lambda m: three(m, lambda s: f"{stall(s)['worst_ratio']:.1f}x")),
         ("long prompt's TTFT", lambda m: three(m, lambda s: MS(stall(s)["long_prompt_ttft_ms"]))),
         ("chunked TTFT over one-step", chunked_over_one_step),
+        ("paced vs unpaced chunks", paced_over_unpaced),
         ("long stream, Tandem: tokens 50-150 -> 900-1000", lambda m: long_stream(m["tandem"])),
         ("long stream, llama-server", lambda m: long_stream(m["llama.cpp"])),
     ], per_machine=True, isa=True),
