@@ -24,7 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ExecutorError, StepError
 from engine.memory import DeviceMemory, device_budget, plan_blocks
-from engine.plan import StepOutput, StepPlan
+from engine.plan import RequestStart, StepOutput, StepPlan
 from engine.proposer import DraftModelProposer
 from engine.grammar_masks import GrammarMasks
 from engine.models.loading import eos_token_ids, load_config, load_tokenizer, resolve_model
@@ -114,6 +114,13 @@ class GroupRank:
         if self.grammars is not None:
             self.grammars.remove(request_id)
 
+    def update_requests(self, removed: list[str], started: list[RequestStart]) -> None:
+        """A step's removals, then its starts: one call, not one per request."""
+        for request_id in removed:
+            self.remove_request(request_id)
+        for s in started:
+            self.add_request(s.request_id, s.seed, s.grammar)
+
     def prefill(self, chunks: list[Prefill], after=None, scored: tuple[int, int] | None = None):
         """`after`: an ObjectRef this call waits for (Ray resolves it first), to order two groups'
         prefills without a round trip through the coordinator. `scored` = (the token after the chunk,
@@ -181,11 +188,8 @@ class ColocatedRanks(GroupRank):
     def _workers(self) -> list[ModelWorker]:
         return [self.worker] + ([self.draft.worker] if self.draft is not None else [])
 
-    def draft_add_request(self, request_id: str, seed: int, grammar: RequestGrammar | None = None) -> None:
-        self.draft.add_request(request_id, seed, grammar)
-
-    def draft_remove_request(self, request_id: str) -> None:
-        self.draft.remove_request(request_id)
+    def draft_update_requests(self, removed: list[str], started: list[RequestStart]) -> None:
+        self.draft.update_requests(removed, started)
 
     def draft_prefill(self, chunks: list[Prefill], after=None, scored=None):
         return self.draft.prefill(chunks, after, scored)
@@ -204,8 +208,7 @@ class DraftHandle:
     def __init__(self, actor):
         self.actor = actor
         self.ready = actor.draft_ready
-        self.add_request = actor.draft_add_request
-        self.remove_request = actor.draft_remove_request
+        self.update_requests = actor.draft_update_requests
         self.prefill = actor.draft_prefill
         self.propose = actor.draft_propose
         self.propose_ahead = actor.draft_propose_ahead
@@ -224,10 +227,10 @@ class Executor(Protocol):
         """Run a step's plan: StepError when a call raised in a live worker (EngineCore then runs the
         plan's parts alone), ExecutorError when a group died."""
 
-    def add_request(self, request_id: str, seed: int, draft: bool = True,
-                    grammar: RequestGrammar | None = None) -> None: ...
-
-    def remove_request(self, request_id: str) -> None: ...
+    def update_requests(self, removed: list[str], started: list[RequestStart]) -> None:
+        """Drop finished requests' state on the workers, then make new requests' (their random
+        streams, their grammar): on the target, and on the draft for those that hold state there
+        (a request that will never draft, RequestStart.draft False, costs the draft group nothing)."""
 
     def prefill(self, target: list[Prefill], draft: list[Prefill],
                 scored: tuple[int, int] | None = None) -> list | None:
@@ -253,10 +256,8 @@ class RunsPlans:
     def execute(self, plan: StepPlan) -> StepOutput:
         began = time.perf_counter()
         out = StepOutput()
-        for request_id in plan.remove:
-            self.remove_request(request_id)
-        for s in plan.start:
-            self.add_request(s.request_id, s.seed, draft=s.draft, grammar=s.grammar)
+        if plan.remove or plan.start:
+            self.update_requests(plan.remove, plan.start)
         for call in plan.prefills:
             start = time.perf_counter()
             got = self.prefill(call.target, call.draft, call.scored)
@@ -295,21 +296,13 @@ class LocalExecutor(RunsPlans):
     def _ranks(self):
         return [r for r in (self.target, self.draft) if r is not None]
 
-    def add_request(self, request_id: str, seed: int, draft: bool = True, grammar: RequestGrammar | None = None) -> None:
-        """Per-request state (its random streams, its grammar) on the target, and on the draft unless
-        the request will never draft (draft=False: adaptive K found drafting can't pay)."""
+    def update_requests(self, removed: list[str], started: list[RequestStart]) -> None:
         try:
-            for r in self._ranks() if draft else [self.target]:
-                r.add_request(request_id, seed, grammar)
+            self.target.update_requests(removed, started)
+            if self.draft is not None:  # removing what it never held is nothing
+                self.draft.update_requests(removed, [s for s in started if s.draft])
         except Exception as e:
-            raise StepError(f"add_request raised {type(e).__name__}") from e
-
-    def remove_request(self, request_id: str) -> None:
-        try:
-            for r in self._ranks():
-                r.remove_request(request_id)
-        except Exception as e:
-            raise StepError(f"remove_request raised {type(e).__name__}") from e
+            raise StepError(f"update_requests raised {type(e).__name__}") from e
 
     def prefill(self, target: list[Prefill], draft: list[Prefill], scored: tuple[int, int] | None = None):
         try:
@@ -411,6 +404,9 @@ class RayExecutor(RunsPlans):
         self.vocab_mapping, self.timeout_s = vocab_mapping, timeout_s
         self._ahead = None  # ObjectRef: the last step's draft-ahead blocks, whole, for the next verify
         self._with_draft: set[str] = set()  # requests the draft group holds state for
+        # calls sent and not yet waited for: the step's next _get waits for them with its own (an
+        # actor runs one caller's calls in the order sent, so they run before the step's calls)
+        self._unwaited: list = []
         self._grammars_warmed = False
         self._start()
 
@@ -512,11 +508,18 @@ class RayExecutor(RunsPlans):
         share = len(cores) // bundles_needed(self.config)  # >= 1: checked before placing the groups
         return cores[index * share: (index + 1) * share]
 
+    def execute(self, plan: StepPlan) -> StepOutput:
+        out = super().execute(plan)
+        if self._unwaited:  # a step with no call after its removals and starts
+            self._get([])
+        return out
+
     def _get(self, refs):
         import ray
 
+        unwaited, self._unwaited = self._unwaited, []
         try:
-            return ray.get(refs, timeout=self.timeout_s)
+            return ray.get(unwaited + refs, timeout=self.timeout_s)[len(unwaited):]
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                 ray.exceptions.ActorUnavailableError) as e:
             raise ExecutorError(f"model worker failed: {type(e).__name__}: {e}") from e
@@ -526,16 +529,16 @@ class RayExecutor(RunsPlans):
     def _all(self):
         return self.target + self.draft  # a colocated draft's handles reach the target actors' draft_ calls
 
-    def add_request(self, request_id: str, seed: int, draft: bool = True, grammar: RequestGrammar | None = None) -> None:
-        """As LocalExecutor.add_request; a request that never drafts costs the draft group no call."""
-        if draft:
-            self._with_draft.add(request_id)
-        self._get([r.add_request.remote(request_id, seed, grammar) for r in (self._all() if draft else self.target)])
-
-    def remove_request(self, request_id: str) -> None:
-        ranks = self._all() if request_id in self._with_draft else self.target
-        self._with_draft.discard(request_id)
-        self._get([r.remove_request.remote(request_id) for r in ranks])
+    def update_requests(self, removed: list[str], started: list[RequestStart]) -> None:
+        """One call per rank, sent without waiting: the step's first call that waits (its prefill or
+        its round) waits for these too, so a burst of new requests costs no round trip each."""
+        draft_removed = [r for r in removed if r in self._with_draft]
+        self._with_draft.difference_update(removed)
+        drafting = [s for s in started if s.draft]
+        self._with_draft.update(s.request_id for s in drafting)
+        self._unwaited += [r.update_requests.remote(removed, started) for r in self.target]
+        if draft_removed or drafting:
+            self._unwaited += [r.update_requests.remote(draft_removed, drafting) for r in self.draft]
 
     def prefill(self, target: list[Prefill], draft: list[Prefill], scored: tuple[int, int] | None = None):
         refs = [r.prefill.remote(draft) for r in self.draft] if draft else []
@@ -567,7 +570,7 @@ class RayExecutor(RunsPlans):
         """Replace both groups with fresh actors (after a failure)."""
         log.warning("restarting the model groups")
         self.shutdown()
-        self._ahead = None
+        self._ahead, self._unwaited = None, []
         self._start()
         if self._grammars_warmed:
             self.warm_grammars()
