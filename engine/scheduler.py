@@ -633,10 +633,13 @@ class Scheduler:
     def _num_drafts(self, seq: Sequence, batch: int, pays: bool) -> int:
         if self.spec is None:
             return 0
-        k = self.policy.num_drafts(seq.acceptance, batch, pays)
+        if not seq.drafts:
+            return 0
+        k = self.policy.num_drafts(seq.acceptance, batch, pays, self._budget(seq),
+                                   len(seq.draft_ids) - seq.draft.computed)
         # with another tokenizer the draft may need more tokens than the target for the same text
         # (Thai: ~6x): past its own context limit it stops drafting; the target goes on alone
-        if not seq.drafts or len(seq.draft_ids) + k > self.draft_max_len:
+        if len(seq.draft_ids) + k > self.draft_max_len:
             return 0
         return max(0, min(k, self._budget(seq) - 1))
 

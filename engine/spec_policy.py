@@ -86,11 +86,21 @@ class SpeculationPolicy:
         ahead = self.spec is not None and self.spec.draft_ahead and self.ahead.use(rows)
         return RoundPolicy(ahead, self.adaptive and any_drafts and self.costs.can_pay(rows))
 
-    def num_drafts(self, acceptance: AcceptanceEstimate, rows: int, pays: bool) -> int:
-        """A row's K before its own limits: adaptive K's choice at this batch size, or the configured K."""
+    def num_drafts(self, acceptance: AcceptanceEstimate, rows: int, pays: bool, remaining: int = 0,
+                   behind: int = 0) -> int:
+        """A row's K before its own limits: adaptive K's choice at this batch size, or the configured K.
+
+        With adaptive K, the `behind` tokens the draft must be fed before it drafts (those it missed
+        while the row decoded plainly, or its whole prompt if it never prefilled) are a prefill:
+        the row drafts, or probes, only if its `remaining` output could repay them at the best
+        saving drafting has at this batch size (prefill_pays, as for a prompt). A probe whose
+        catch-up could never pay cost a batch of 8 a step 3.6x a plain one (95 ms against 26)."""
         if not self.adaptive:
             return self.k
-        return adaptive_k(acceptance, self.costs.for_batch(rows), self.k) if pays else 0
+        if not pays or not prefill_pays(remaining, behind, self.costs.saving_per_token(rows, 1.0),
+                                        self.prefill_cost.per_token()):
+            return 0
+        return adaptive_k(acceptance, self.costs.for_batch(rows), self.k)
 
     # -- fed after update --------------------------------------------------------------------------
 

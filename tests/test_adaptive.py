@@ -324,3 +324,28 @@ def test_a_probes_catch_up_is_not_measured_as_the_cost_of_a_draft_step():
     assert seq.acceptance.probe_every > PROBE_EVERY  # that was the probe, after PROBE_EVERY plain steps
     assert list(costs.draft_s) == window  # its catch-up call is not a draft step's cost
     assert costs.verify_s[1]  # its verify is measured as usual
+
+
+def test_a_row_whose_draft_is_behind_drafts_only_if_its_remaining_output_can_repay_the_catch_up():
+    """The tokens a draft missed while its row decoded plainly are a prefill it must be fed before
+    it drafts: a probe of a row far behind, with little output left, costs the whole batch that
+    prefill and can never earn it back (95 ms against a 26 ms plain step at batch 8 on the default
+    app). The same row with a long output still probes; a row that drafted last step is never held."""
+    from engine.config import SpeculativeConfig
+    from engine.spec_policy import SpeculationPolicy
+
+    policy = SpeculationPolicy(SpeculativeConfig(model=DRAFT, num_speculative_tokens=3, adaptive=True),
+                               overlaps_groups=True)
+    batch = policy.costs.for_batch(8)
+    batch.observe(0, 0.0, 0.030)
+    batch.observe(3, 0.012, 0.075)  # verifying 4 tokens a row costs 2.5 plain steps at batch 8
+    saving = policy.costs.saving_per_token(8, 1.0)
+    assert 0 < saving < 0.010  # perfect drafts would save < 10 ms a token
+    policy.observe_draft_prefill(0.012, 10)  # the draft's prefill: 1.2 ms a token
+    plain = AcceptanceEstimate(accepted=0.2, trials=2.0, steps_without_drafts=PROBE_EVERY)  # due a probe
+    behind = PROBE_EVERY + 24  # the steps it missed and its prompt (it never prefilled)
+    assert policy.num_drafts(plain, 8, True, remaining=4, behind=behind) == 0
+    assert policy.num_drafts(plain, 8, True, remaining=behind * 0.0012 / saving + 1, behind=behind) == 1  # a probe
+    assert policy.num_drafts(plain, 8, False, remaining=10**4, behind=behind) == 0  # can't pay at this batch
+    drafting = AcceptanceEstimate(accepted=9.0, trials=10.0)  # a = 0.9, drafted last step
+    assert policy.num_drafts(drafting, 8, True, remaining=4, behind=2) > 0
