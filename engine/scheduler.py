@@ -308,9 +308,14 @@ class Scheduler:
             elif target is not None and self.ragged_rows and d0 + n_draft >= seq.prefill_draft:
                 seq.prefill_target = t0  # the rest of its prompt: its first round's pending tokens
                 target = None
-                rounds = True
                 # ... and its last prompt token and first drafts: a decoding row's tokens
                 budget -= 1 + (self.spec.num_speculative_tokens if seq.drafts and self.spec else 0)
+                if draft is not None and (not rounds or n_draft <= self.pacer.min_tokens):
+                    # the draft's rest too: fed with its first drafts, in the call that makes them,
+                    # so no draft call comes before the first token (alone, or a piece short enough
+                    # not to stretch the round it rides in beyond what the pacer planned)
+                    seq.prefill_draft, draft = d0, None
+                rounds = True
                 drafts += [draft] if draft else []
             else:
                 targets += [target] if target else []
@@ -370,11 +375,12 @@ class Scheduler:
                 sampling=[draft_sampling[b] for b in drafting],
                 tables=[rows[b].draft.blocks for b in drafting],
             )
-        # a row drafting after plain steps first feeds the draft the tokens it missed: that call is a
-        # prefill of them besides the drafts. Counted as a draft step's cost, eight probes filled the
+        # a row drafting after plain steps (or with its prompt's rest) first feeds the draft the tokens
+        # it missed: that call is a prefill of them besides the drafts. Counted as a draft step's cost, eight probes filled the
         # window with catch-ups (44.6 ms after 84 plain steps against 4-5 ms a draft step) and held the
         # default app at K = 0 for good on a text whose drafts it accepted 99.7% of
-        catches_up = any(rows[b].acceptance.steps_without_drafts > 0 for b in drafting)
+        catches_up = any(rows[b].acceptance.steps_without_drafts > 0 or len(draft.pending[i]) > ks[b] + 1
+                         for i, b in enumerate(drafting))
         ahead = self._ahead_batch(rows, ks, blocks, draft_sampling) if ahead_on else None
         self.ahead_drafted += len(ahead.draft.seq_ids) if ahead is not None else 0
         plan.round = RoundPlan(verify, ks, draft, ahead, catches_up, time.perf_counter() - start)

@@ -190,6 +190,29 @@ def test_with_ragged_rows_the_chunks_ride_in_the_round_and_the_last_is_the_rows_
     assert (last.starts[b], last.pending[b]) == (62, ids[62:])  # the rest of the prompt: its row's pending
 
 
+def test_with_ragged_rows_the_drafts_prompt_is_fed_with_its_first_drafts_not_in_a_call_before(tokenizer, word):
+    """Alone, a prompt's first token comes from a step whose only draft call is the one that drafts:
+    the draft is fed the prompt there (a catch-up: its time is not a draft step's cost). Beside a
+    decoding stream, a short prompt's draft piece rides the same way; one longer than the pacer's
+    minimum is prefilled before the round, as the pacer sized it."""
+    sched = scheduler(tokenizer, groups=Groups(ragged_rows=True))
+    ids = prompt(40)
+    seq = sched.add("r", None, ids, params(max_tokens=100))
+    plan = sched.schedule()
+    rnd = plan.round
+    assert not plan.prefills and rnd.verify.pending == [ids] and rnd.ks == [3]
+    assert rnd.draft.starts == [0] and rnd.draft.pending == [ids] and rnd.catches_up
+    sched.update(plan, run(plan, word, accepted=lambda s, k: 2))
+    assert seq.output_ids == [word] * 3 and (seq.target.computed, seq.draft.computed) == (42, 42)
+    short, long = prompt(10, first=2000), prompt(40, first=3000)
+    sched.add("short", None, short, params())
+    sched.add("long", None, long, params())
+    plan = sched.schedule()
+    (call,) = plan.prefills
+    assert [(c.start, c.tokens) for c in call.draft] == [(0, long[:39])] and not call.target
+    assert plan.round.draft.pending[1] == short and plan.round.ks == [3, 3, 3]
+
+
 def test_under_a_tiny_kv_cache_the_newest_request_is_preempted_and_resumes_with_its_output(tokenizer, word):
     """8 blocks of 16 (one is the null block): two 40-token prompts fit (3 blocks each) until they
     need a 4th; the newest then waits at the queue's front, keeps its output, and is recomputed
