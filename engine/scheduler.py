@@ -294,11 +294,18 @@ class Scheduler:
             plan.requests[seq.seq_id] = seq
             t0, d0 = seq.target.computed, seq.draft.computed
             n_target = min(seq.prefill_target - t0, budget)
+            # a chunk that ends the prompt puts the sequence in this step's round: its last prompt
+            # token and first drafts must fit the budget too, or the chunk stops short of the end
+            # (where the budget can't hold a row and a token, as before: a prompt always moves on)
+            row = 1 + (self.spec.num_speculative_tokens if seq.drafts and self.spec else 0)
+            ends = n_target > 0 and t0 + n_target >= seq.prefill_target
+            if ends and row < budget < n_target + row:
+                n_target, ends = budget - row, False
             n_draft = min(seq.prefill_draft - d0, budget)
             tokens = seq.all_ids if n_target > 0 else []
             target = Prefill(seq.target.blocks, t0, tokens[t0:t0 + n_target], seq.seq_id) if n_target > 0 else None
             draft = Prefill(seq.draft.blocks, d0, seq.draft_ids[d0:d0 + n_draft], seq.seq_id) if n_draft > 0 else None
-            budget -= max(n_target, n_draft, 0)
+            budget -= max(n_target, n_draft, 0) + (row if ends else 0)
             if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids) and target:
                 scored = (tokens[t0 + n_target], seq.params.prompt_logprobs)  # the token after the chunk
                 plan.prefills.append(PrefillCall([target], [draft] if draft else [], scored))
@@ -308,8 +315,6 @@ class Scheduler:
             elif target is not None and self.ragged_rows and d0 + n_draft >= seq.prefill_draft:
                 seq.prefill_target = t0  # the rest of its prompt: its first round's pending tokens
                 target = None
-                # ... and its last prompt token and first drafts: a decoding row's tokens
-                budget -= 1 + (self.spec.num_speculative_tokens if seq.drafts and self.spec else 0)
                 if draft is not None and (not rounds or n_draft <= self.pacer.min_tokens):
                     # the draft's rest too: fed with its first drafts, in the call that makes them,
                     # so no draft call comes before the first token (alone, or a piece short enough

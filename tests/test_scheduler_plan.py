@@ -213,6 +213,24 @@ def test_with_ragged_rows_the_drafts_prompt_is_fed_with_its_first_drafts_not_in_
     assert plan.round.draft.pending[1] == short and plan.round.ks == [3, 3, 3]
 
 
+def test_with_ragged_rows_no_step_computes_more_than_the_budget_in_the_target(tokenizer, word):
+    """A prompt's rest joins its first round as the row's pending tokens only if they and the row's
+    drafts fit the step's budget; otherwise it is prefilled, and the row decodes next step (a
+    32-token prompt under a 32-token budget once made a 35-token forward)."""
+    sched = scheduler(tokenizer, groups=Groups(ragged_rows=True), max_num_batched_tokens=32,
+                      enable_prefix_caching=False)
+    for n in (32, 31, 29, 28, 27, 10):
+        seq = sched.add(f"r{n}", None, prompt(n, first=1000 + 50 * n), params(max_tokens=6))
+        while not seq.finished:
+            plan = step(sched, word)
+            rnd = plan.round
+            target = sum(len(c.tokens) for call in plan.prefills for c in call.target)
+            if rnd is not None:
+                target += sum(len(p) for p in rnd.verify.pending) + sum(rnd.ks) + sum(len(c.tokens) for c in rnd.verify.prefill)
+            assert target <= 32, (n, target)
+        assert seq.output_ids == [word] * 6
+
+
 def test_under_a_tiny_kv_cache_the_newest_request_is_preempted_and_resumes_with_its_output(tokenizer, word):
     """8 blocks of 16 (one is the null block): two 40-token prompts fit (3 blocks each) until they
     need a 4th; the newest then waits at the queue's front, keeps its output, and is recomputed
