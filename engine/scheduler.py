@@ -381,9 +381,10 @@ class Scheduler:
                 tables=[rows[b].draft.blocks for b in drafting],
             )
         # a row drafting after plain steps (or with its prompt's rest) first feeds the draft the tokens
-        # it missed: that call is a prefill of them besides the drafts. Counted as a draft step's cost, eight probes filled the
-        # window with catch-ups (44.6 ms after 84 plain steps against 4-5 ms a draft step) and held the
-        # default app at K = 0 for good on a text whose drafts it accepted 99.7% of
+        # it missed: that call is a prefill of them besides the drafts. Counted as a draft step's
+        # cost, eight probes filled the window with catch-ups (44.6 ms after 84 plain steps against
+        # 4-5 ms a draft step) and held the default app at K = 0 for good on a text whose drafts it
+        # accepted 99.7% of
         catches_up = any(rows[b].acceptance.steps_without_drafts > 0 or len(draft.pending[i]) > ks[b] + 1
                          for i, b in enumerate(drafting))
         ahead = self._ahead_batch(rows, ks, blocks, draft_sampling) if ahead_on else None
@@ -642,9 +643,7 @@ class Scheduler:
         return seq.remaining(self.max_model_len)
 
     def _num_drafts(self, seq: Sequence, batch: int, pays: bool) -> int:
-        if self.spec is None:
-            return 0
-        if not seq.drafts:
+        if self.spec is None or not seq.drafts:
             return 0
         k = self.policy.num_drafts(seq.acceptance, batch, pays, self._budget(seq),
                                    len(seq.draft_ids) - seq.draft.computed)

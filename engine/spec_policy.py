@@ -97,8 +97,11 @@ class SpeculationPolicy:
         catch-up could never pay cost a batch of 8 a step 3.6x a plain one (95 ms against 26)."""
         if not self.adaptive:
             return self.k
-        if not pays or not prefill_pays(remaining, behind, self.costs.saving_per_token(rows, 1.0),
-                                        self.prefill_cost.per_token()):
+        if not pays:
+            return 0
+        catching_up = acceptance.steps_without_drafts > 0 or behind > self.k + 1  # as RoundPlan.catches_up
+        if catching_up and not prefill_pays(remaining, behind, self.costs.saving_per_token(rows, 1.0),
+                                            self.prefill_cost.per_token()):
             return 0
         return adaptive_k(acceptance, self.costs.for_batch(rows), self.k)
 
