@@ -1,15 +1,17 @@
 """Speculative decoding, timed: measured speedup against the cost model, per K, plus adaptive K.
 
     .venv/bin/python benchmarks/spec_bench.py [--pairs real synthetic] [--max-tokens 32]
+    .venv/bin/python benchmarks/spec_bench.py --pairs qwen-coder --ks 2 3 4 5 6 --max-tokens 96
 
 For each pair and K: acceptance rate, mean acceptance length, per-position acceptance, tokens/s
 with and without speculation, the speedup; the measured cost ratios c = draft step / target step
 and v = target step with K+1 tokens / with 1; and the predicted speedup E / (K*c + v) with
 E = (1 - a^(K+1)) / (1 - a). Pairs:
+  qwen-coder target Qwen2.5-Coder-1.5B-Instruct <- draft Qwen2.5-Coder-0.5B-Instruct (one tokenizer), greedy
   real       target google/gemma-3-270m <- draft SmolLM2-135M-Instruct (TLI), greedy
   synthetic  random 1.7B Llama-shape target <- random SmolLM2-135M-shape draft,
              rejection_sample_method synthetic with per-token acceptance a in {0.1, 0.5, 0.7, 0.9}
-Writes benchmarks/results/spec_bench.json and spec_bench.png.
+Writes benchmarks/results/spec_bench.json and spec_bench.png (spec_bench_<pairs>.json/png for other pairs).
 
 One engine per pair is built once; between configurations only the speculative config changes
 (building a random 1.7B model takes longer than a whole configuration's run). Each configuration
@@ -34,6 +36,7 @@ from engine.verifier import Verifier
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = ["The history of the printing press begins", "def quicksort(items):\n", "Dear team, thank you for"]
 PAIRS = {
+    "qwen-coder": ("Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct", {}),
     "real": ("google/gemma-3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct", {"use_heterogeneous_vocab": True}),
     "synthetic": ("random:llama-1.7b", "random:smollm2-135m", {}),
 }
@@ -83,7 +86,7 @@ def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens:
     base = {"model": draft, "num_speculative_tokens": max(ks), **extra}
     core = EngineCore(EngineConfig(model=target, max_model_len=512, max_num_seqs=1,
                                    speculative_config=SpeculativeConfig.model_validate(base)), use_ray=False)
-    temperature = 0.0 if name == "real" else 1.0
+    temperature = 0.0 if name != "synthetic" else 1.0
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
     plain = SpecState(core, None)
     plain.activate(core)
@@ -146,7 +149,7 @@ def solve_alpha(mean_length: float, k: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    ap.add_argument("--pairs", nargs="+", default=["real", "synthetic"], choices=list(PAIRS))
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 5])
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.5, 0.7, 0.9])
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -154,7 +157,7 @@ def main() -> None:
     torch.set_num_threads(2)
     rows = []
     for name in args.pairs:
-        rows += bench_pair(name, args.ks, [None] if name == "real" else args.alphas, args.max_tokens)
+        rows += bench_pair(name, args.ks, [None] if name != "synthetic" else args.alphas, args.max_tokens)
 
     print(f"{'pair':<10}{'a':>5}{'K':>9}{'accept':>7}{'len':>6}{'tok/s':>7}{'plain':>7}{'speedup':>8}"
           f"{'c':>6}{'v':>6}{'pred':>6}")
@@ -165,8 +168,14 @@ def main() -> None:
         print(f"{r['pair']:<10}{alpha:>5}{str(r['k']):>9}{r['acceptance_rate']:>7.2f}{r['mean_acceptance_length']:>6.2f}"
               f"{r['tok_s']:>7.1f}{r['plain_tok_s']:>7.1f}{r['speedup']:>7.2f}x{cv}{pred}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "spec_bench.json").write_text(json.dumps(rows, indent=2))
-    plot(rows, RESULTS / "spec_bench.png")
+    from machine import cpu_model
+
+    for r in rows:
+        r.update(cpu=cpu_model(), max_tokens=args.max_tokens)
+    # one file per set of pairs: a run of one pair leaves the others' rows as they were
+    name = "spec_bench" if args.pairs == ["real", "synthetic"] else "spec_bench_" + "_".join(args.pairs)
+    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=2))
+    plot(rows, RESULTS / f"{name}.png")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -80,7 +80,7 @@ class RequestLayer:
     def for_app(cls, engine: AsyncEngine, args) -> "RequestLayer":
         """The layer an application's args (deployments.app.ServeArgs) describe."""
         return cls(engine, args.model_name, args.model,
-                   tool_format=tool_format(args.tool_call_parser) if args.enable_auto_tool_choice else None,
+                   tool_format=tool_format(args.tool_call_parser, engine.tokenizer) if args.enable_auto_tool_choice else None,
                    chat_template=args.chat_template_text(), reasoning_parser=args.reasoning_parser)
 
     # -- parsing (worker thread) ---------------------------------------------------------------

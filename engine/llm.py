@@ -176,7 +176,7 @@ class LLM:
         from engine.tool_parsers import ToolSpec, tool_format
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        fmt = tool_format(tool_parser) if tools else None
+        fmt = tool_format(tool_parser, self.tokenizer) if tools else None
         prompts = [{"prompt_token_ids": chat_prompt_ids(
             self.tokenizer, [dict(m) for m in c], tools=tools, tool_format=fmt, tool_instructions=bool(tools),
             chat_template=chat_template, template_kwargs=chat_template_kwargs)} for c in conversations]

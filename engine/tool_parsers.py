@@ -21,6 +21,7 @@ text no grammar held): malformed calls become content, and its work is linear in
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -83,6 +84,27 @@ class ToolFormat:
     """One family's way of writing calls. Subclasses give the grammar and the parser."""
 
     name: str
+    tags: tuple[str, ...] = ()  # the texts around a call that a tokenizer may hold as one added token
+    # tag text -> its token id, for a tokenizer that has one (for_tokenizer): llguidance holds every
+    # added token apart from text, so a grammar that spells "<tool_call>" as characters alone forbids
+    # the one token Qwen writes it with
+    tag_tokens: dict[str, int] = {}
+
+    def for_tokenizer(self, hf_tokenizer) -> "ToolFormat":
+        """This format for one tokenizer: each tag it holds as a single added token may be written as
+        that token or as text."""
+        added = {t.content: i for i, t in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()}
+        found = {tag: added[tag] for tag in self.tags if tag in added}
+        if not found:
+            return self
+        bound = copy.copy(self)
+        bound.tag_tokens = found
+        return bound
+
+    def _tag(self, text: str) -> str:
+        """A grammar literal for `text`: its added token or its characters."""
+        token = self.tag_tokens.get(text)
+        return _lit(text) if token is None else f"(<[{token}]> | {_lit(text)})"
 
     def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
         raise NotImplementedError
@@ -124,13 +146,19 @@ class JsonCallFormat(ToolFormat):
         return f'{_lit(self.opening) + " " if self.opening else ""}{_lit(head)} %json ' \
                f'{_schema_with_whitespace(tool.parameters)} "}}"{" " + _lit(self.closing) if self.closing else ""}'
 
+    def _trigger_rule(self) -> str:
+        """Free text, then the trigger: a lazy lexeme where it is characters; where it is an added token
+        (no lexeme may hold one), text ends where the token comes."""
+        token = self.tag_tokens.get(self.trigger)
+        return f"call_trig[lazy]: TEXT {_lit(self.trigger)}" if token is None else f"call_trig: TEXT <[{token}]>"
+
     def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
         bodies = "\n".join(f"body_{i}: {self._body(t)}" for i, t in enumerate(tools))
         body = " | ".join(f"body_{i}" for i in range(len(tools)))
-        more = "" if not parallel else f" (SEP {_lit(self.trigger) + ' ' if self.trigger else ''}body){{0,{MAX_CALLS - 1}}}"
+        more = "" if not parallel else f" (SEP {self._tag(self.trigger) + ' ' if self.trigger else ''}body){{0,{MAX_CALLS - 1}}}"
         if self.trigger is not None:
             return (f"%llguidance {{}}\nstart: TEXT | calls\ncalls: call_trig body{more}\n"
-                    f"call_trig[lazy]: TEXT {_lit(self.trigger)}\nbody: {body}\n{bodies}\n"
+                    f"{self._trigger_rule()}\nbody: {body}\n{bodies}\n"
                     f"SEP: /{self.separator_pattern}/\nTEXT: /(.|\\n)*/\n")
         return (f"%llguidance {{}}\nstart: PLAIN | calls\ncalls: body{more}\nbody: {body}\n{bodies}\n"
                 f"SEP: /{self.separator_pattern}/\nPLAIN: /([^{{](.|\\n)*)?/\n")
@@ -147,10 +175,12 @@ class JsonCallFormat(ToolFormat):
 class Hermes(JsonCallFormat):
     name, args_key, trigger, opening, closing = "hermes", "arguments", "<tool_call>", "\n", "\n</tool_call>"
     separator_pattern = "[ \\n]*"
+    tags = ("<tool_call>", "</tool_call>")  # Qwen 2.5 / 3: one added token each
 
     def _body(self, tool: ToolSpec) -> str:
         head = f'{{"name": "{tool.name}", "arguments": '
-        return f'"\\n"? {_lit(head)} %json {_schema_with_whitespace(tool.parameters)} "}}" "\\n"? "</tool_call>"'
+        return f'"\\n"? {_lit(head)} %json {_schema_with_whitespace(tool.parameters)} "}}" "\\n"? ' \
+               f'{self._tag("</tool_call>")}'
 
     def _how_to_call(self) -> str:
         return ("For each function call, return a JSON object with the function name and arguments within "
@@ -226,11 +256,13 @@ ToolCallParserName = Literal["hermes", "llama3_json", "pythonic"]
 assert set(get_args(ToolCallParserName)) == set(FORMATS)
 
 
-def tool_format(name: str) -> ToolFormat:
+def tool_format(name: str, hf_tokenizer=None) -> ToolFormat:
+    """The format `name`, bound to `hf_tokenizer`'s tag tokens when given (ToolFormat.for_tokenizer)."""
     try:
-        return FORMATS[name]
+        fmt = FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown tool-call parser '{name}': one of {', '.join(sorted(FORMATS))}") from None
+    return fmt if hf_tokenizer is None else fmt.for_tokenizer(hf_tokenizer)
 
 
 # -- parsing ---------------------------------------------------------------------------------------

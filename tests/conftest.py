@@ -38,6 +38,9 @@ def cpu_isa(request) -> str:
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GEMMA3 = "google/gemma-3-270m"
+# the default app's pair (same tokenizer): larger, so only tests about that pair load it
+QWEN_CODER = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+QWEN_CODER_DRAFT = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 
 @pytest.fixture(scope="session")

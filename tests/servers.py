@@ -79,3 +79,39 @@ def serve_app(name: str, args: dict):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def serve_run(config_file: Path, folder: Path, timeout_s: float = 420.0):
+    """`serve run <config_file>` as a user starts it, with only its two ports moved to free ones, on a
+    fresh local Ray cluster: yields (HTTP base URL, gRPC port) once /health answers and the processes on
+    both ports are this run's; SIGINT (as Ctrl-C) and `ray stop` after. The server's output is in
+    folder/serve.log, and a failed start shows its tail."""
+    import signal
+    import sys
+
+    import yaml
+
+    http_port, grpc_port = free_port(), free_port()  # taken now: a port free at collection may not be later
+    config = yaml.safe_load(config_file.read_text())
+    config["http_options"]["port"] = http_port
+    config["applications"][0]["args"]["grpc_port"] = grpc_port
+    path, log = folder / config_file.name, folder / "serve.log"
+    path.write_text(yaml.safe_dump(config))
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local cluster
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(bin_dir / "serve"), "run", str(path)], cwd=config_file.parent, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{http_port}/health", proc, timeout_s=timeout_s, log=log)
+        assert owned_by_session(http_port, proc.pid), "another process answers on the HTTP port"
+        assert owned_by_session(grpc_port, proc.pid), "another process answers on the gRPC port"
+        yield f"http://127.0.0.1:{http_port}", grpc_port
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], capture_output=True)

@@ -268,3 +268,33 @@ def test_auto_tool_choice_is_refused_unless_the_server_enables_it():
     assert mode.kind == "auto" and "<tool_call>" in structured.params.grammar
     structured, mode = request(**body, tool_choice="auto", parallel_tool_calls=False).tool_calls(FORMATS["pythonic"])
     assert "{0," not in structured.params.grammar  # one call at most
+
+
+def test_hermes_grammar_allows_qwens_tool_call_token():
+    """Qwen writes <tool_call> and </tool_call> as one added token each, and llguidance holds added tokens
+    apart from text: a grammar that spelled the tags only as characters forbade the very token the model
+    calls with (it then wrote its calls as text). Bound to Qwen's tokenizer, the hermes grammar allows the
+    token where a call may begin, then holds what follows to the call's JSON and closes with the token."""
+    from conftest import QWEN_CODER
+    from engine.grammar_masks import GrammarMasks, unpack
+    from engine.models.loading import load_tokenizer, resolve_model
+    from engine.tool_parsers import ToolSpec, tool_format
+
+    tokenizer = load_tokenizer(resolve_model(QWEN_CODER))
+    fmt = tool_format("hermes", tokenizer)
+    open_tag, close_tag = fmt.tag_tokens["<tool_call>"], fmt.tag_tokens["</tool_call>"]
+    assert tokenizer.encode("<tool_call>", add_special_tokens=False) == [open_tag]
+    vocab = len(tokenizer)
+    masks = GrammarMasks(tokenizer, {tokenizer.eos_token_id}, vocab)
+    grammar = fmt.grammar([ToolSpec("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"]})], parallel=False)
+    masks.add("r", grammar, [])
+    allowed = unpack(masks.masks([("r", 0, [])])[0], vocab)[0]
+    assert allowed[open_tag] and allowed[tokenizer.encode("Sure", add_special_tokens=False)[0]]  # a call or text
+    call = tokenizer.encode('\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n', add_special_tokens=False)
+    masks.advance("r", [open_tag, *call])
+    bitmask, errors = masks.masks([("r", 1 + len(call), [])])
+    allowed = unpack(bitmask, vocab)[0]
+    assert not errors and allowed[close_tag]
+    assert not allowed[tokenizer.encode("Sure", add_special_tokens=False)[0]]  # nothing but the call's end
+    assert tool_format("hermes") is not fmt and not tool_format("hermes").tag_tokens  # unbound: characters only
