@@ -23,6 +23,7 @@ from deployments.requests import PreparedRequest, RequestLayer, collect, delta_e
 from deployments.tool_calls import ToolCallStream, chat_message
 from engine.async_engine import AsyncEngine
 from engine.metrics import SpecDecodeStats
+from engine.output_processor import TokenOrigin
 from engine.reasoning import ReasoningSplitter
 from tandem_proto import tandem_pb2 as pb
 from tandem_proto import tandem_pb2_grpc as pb_grpc
@@ -76,6 +77,10 @@ def request_body(request: pb.GenerateRequest) -> tuple[str, dict]:
         body["cache_salt"] = request.cache_salt
     if request.HasField("structured_outputs"):
         body["structured_outputs"] = structured_outputs(request.structured_outputs)
+    if request.HasField("speculative"):
+        body["speculative"] = request.speculative
+    if request.spec_trace:
+        body["spec_trace"] = True
     return kind, body
 
 
@@ -142,6 +147,10 @@ def token_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> lis
     return out
 
 
+def token_origins(origins: list[TokenOrigin] | None) -> list[pb.TokenOrigin]:
+    return [pb.TokenOrigin(end=o.end, round=o.round, draft=o.draft, k=o.k) for o in origins or []]
+
+
 class TandemServicer(pb_grpc.TandemServiceServicer):
     def __init__(self, engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None):
         self.engine, self.args, self.api_key = engine, args, api_key
@@ -174,7 +183,8 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
                                    usage=_usage(prepared.prompt_tokens, len(done.token_ids)),
                                    spec_decode=_stats(done.last.stats),
                                    logprobs=token_logprobs(tok, done.token_ids, done.logprobs),
-                                   prompt_logprobs=token_logprobs(tok, done.prompt_token_ids, done.prompt_logprobs))
+                                   prompt_logprobs=token_logprobs(tok, done.prompt_token_ids, done.prompt_logprobs),
+                                   origins=token_origins(done.origins))
 
     async def GenerateStream(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateStreamResponse]:  # noqa: N802
         rid = f"grpc-{uuid.uuid4().hex}"
@@ -212,6 +222,7 @@ class TandemServicer(pb_grpc.TandemServiceServicer):
                         msg.token_ids.extend(delta.token_ids)
                         msg.logprobs.extend(token_logprobs(tok, delta.token_ids, delta.logprobs))
                         msg.prompt_logprobs.extend(token_logprobs(tok, delta.prompt_token_ids, delta.prompt_logprobs))
+                        msg.origins.extend(token_origins(delta.origins))
                     if finish:
                         msg.usage.CopyFrom(_usage(prepared.prompt_tokens, completion))
                         msg.spec_decode.CopyFrom(_stats(delta.stats))

@@ -70,6 +70,10 @@ class SamplingFields(BaseModel):
     # the output held to a grammar: OpenAI's response_format, or vLLM's structured_outputs (one of)
     response_format: Any = None
     structured_outputs: dict[str, Any] | None = None
+    # Tandem's own: false decodes with the target alone (no draft; e.g. to measure the speedup);
+    # spec_trace: each token's origin (draft or target, round) comes back in choices[].spec_trace
+    speculative: bool = True
+    spec_trace: bool = False
     # not implemented: see NEUTRAL_VALUES
     best_of: Any = None
     min_p: Any = None
@@ -119,6 +123,7 @@ class SamplingFields(BaseModel):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self._logit_bias(),
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                speculative=self.speculative, spec_trace=self.spec_trace,
                 structured_outputs=structured.params if structured is not None else None)
         except ValidationError as e:
             raise validation_error(e) from None

@@ -324,6 +324,7 @@ class Completion:
     prompt_token_ids: list[int]
     logprobs: list | None = None  # per token, as RequestDelta's
     prompt_logprobs: list | None = None
+    origins: list | None = None  # per token, as RequestDelta's (spec_trace)
 
 
 async def collect(stream: RequestStream) -> Completion:
@@ -339,6 +340,8 @@ async def collect(stream: RequestStream) -> Completion:
             if delta.logprobs is not None:
                 done.logprobs = (done.logprobs or []) + delta.logprobs
             done.prompt_logprobs = done.prompt_logprobs or delta.prompt_logprobs
+            if delta.origins is not None:
+                done.origins = (done.origins or []) + delta.origins
             done.last = delta
     finally:
         stream.abort()

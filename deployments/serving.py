@@ -20,7 +20,8 @@ from ray.exceptions import TaskCancelledError
 from deployments.logprobs import LogprobFormatter
 from deployments.requests import Completion, PreparedRequest, collect, delta_error
 from engine.async_engine import RequestStream
-from engine.output_processor import RequestDelta
+from engine.metrics import SpecDecodeStats
+from engine.output_processor import RequestDelta, TokenOrigin
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,24 @@ class CallFormat:
         """The whole answer, once every choice has ended."""
         raise NotImplementedError
 
+    def blank(self, index: int) -> dict:
+        """A chunk for choice `index` that adds nothing (it carries a spec_trace the text didn't)."""
+        raise NotImplementedError
+
+    def traced(self, k: int, delta: RequestDelta, events: list[dict]) -> list[dict]:
+        """Choice k's chunks with the delta's token origins on the last (spec_trace requests)."""
+        if delta.origins is None or not (events or delta.origins):
+            return events
+        events = events or [self.blank(self.prepared.choices[k].index)]
+        events[-1]["choices"][0]["spec_trace"] = spec_trace(delta.origins, delta.stats)
+        return events
+
+    def traced_answer(self, answer: dict, results: list[Completion]) -> dict:
+        for choice, r in zip(answer["choices"], results):
+            if r.origins is not None:
+                choice["spec_trace"] = spec_trace(r.origins, r.last.stats)
+        return answer
+
     def usage_chunk(self, completion_tokens: int) -> dict:
         return self.chunk([], usage=usage_counts(self.prepared.prompt_tokens, completion_tokens))
 
@@ -68,7 +87,7 @@ class Serving:
         if prepared.stream:
             return await sse(call, streams)
         results = await gather_all(streams)
-        return JSONResponse(call.answer(results), headers={REQUEST_ID_HEADER: prepared.request_id})
+        return JSONResponse(call.traced_answer(call.answer(results), results), headers={REQUEST_ID_HEADER: prepared.request_id})
 
 
 async def until_disconnect(receive) -> None:
@@ -153,9 +172,9 @@ async def merge_streams(call: CallFormat, streams: list[RequestStream], firsts: 
                             prepared.choices[k].index, delta.error)
                 yield delta_error(delta).body(prepared.request_id)
                 continue
-            if delta.text or delta.token_ids or delta.finish_reason:
-                for event in call.events(k, delta):
-                    yield event
+            events = call.events(k, delta) if delta.text or delta.token_ids or delta.finish_reason else []
+            for event in call.traced(k, delta, events):
+                yield event
         if prepared.include_usage:
             yield call.usage_chunk(completion_tokens)
     finally:
@@ -179,6 +198,18 @@ async def encode_sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
         yield "data: [DONE]\n\n"
     finally:
         await events.aclose()  # same task that iterated it: runs merge_streams' finally (the aborts)
+
+
+def spec_trace(origins: list[TokenOrigin], stats: SpecDecodeStats | None) -> dict:
+    """The `spec_trace` extension: one entry per token (where its text ends, in characters of the
+    generated text; its round; whether it was an accepted draft; on a round's own target token, the
+    drafts proposed), and the request's counters once it has finished."""
+    trace: dict = {"tokens": [{"end": o.end, "round": o.round, "draft": o.draft, "k": o.k} for o in origins]}
+    if stats is not None:
+        trace["stats"] = {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+                          "num_accepted_tokens": stats.num_accepted_tokens,
+                          "mean_acceptance_length": stats.mean_acceptance_length}
+    return trace
 
 
 def openai_finish(reason: str | None) -> str | None:

@@ -22,6 +22,9 @@ class ChatFormat(CallFormat):
     def _delta(self, index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
         return self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
+    def blank(self, index: int) -> dict:
+        return self._delta(index, {}, None)
+
     def opening(self, firsts: list[RequestDelta]) -> list[dict]:
         return [self._delta(c.index, {"role": "assistant", "content": ""}, None) for c in self.prepared.choices]
 

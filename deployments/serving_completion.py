@@ -18,6 +18,9 @@ class CompletionFormat(CallFormat):
     def _choice(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
         return self.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
 
+    def blank(self, index: int) -> dict:
+        return self._choice(index, "", None, None)
+
     def opening(self, firsts: list[RequestDelta]) -> list[dict]:
         """Each echoing choice's prompt first, with its log-probabilities when asked (echo + logprobs)."""
         events = []

@@ -438,6 +438,10 @@ class SamplingParams(BaseModel):
     # the output held to a grammar (JSON schema, regex, choice, Lark/GBNF), in plain and speculative
     # decoding alike: every sampled position is masked by the grammar's state (engine/structured.py)
     structured_outputs: StructuredOutputsParams | None = None
+    # Tandem's own: False decodes this request with the target alone (no drafting), e.g. to measure
+    # what speculation buys; with True, each output token's origin comes back (TokenOrigin)
+    speculative: bool = True
+    spec_trace: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from engine.chat import chat_prompt_ids, end_of_turn_ids
 from engine.config import EngineConfig, SamplingParams, check_cache_salt
 from engine.core import EngineCore
 from engine.metrics import SpecDecodeStats
+from engine.output_processor import TokenOrigin, within
 from engine.scheduler import Sequence
 from engine.step import TokenLogprob
 
@@ -42,6 +43,7 @@ class CompletionOutput:
     # besides them; None without tools
     tool_calls: list[dict] | None = None
     content: str | None = None
+    origins: list[TokenOrigin] | None = None  # with SamplingParams(spec_trace=True): one per token
 
 
 @dataclass
@@ -63,8 +65,9 @@ class RequestOutput:
             if seq.params.logprobs is not None:
                 logprobs = [position_logprobs(token, entry, tokenizer) for token, entry in zip(seq.output_ids, seq.logprobs)]
             cumulative = sum(e.logprob for e in seq.logprobs) if logprobs is not None else None
+            origins = within(seq.origins, len(seq.text)) if seq.params.spec_trace else None
             outputs.append(CompletionOutput(i, seq.text, list(seq.output_ids), seq.finish_reason, seq.stop_reason,
-                                            logprobs, cumulative))
+                                            logprobs, cumulative, origins=origins))
             stats.merge(seq.stats)
         first = seqs[0]
         prompt_logprobs = None

@@ -14,7 +14,7 @@ the whole output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -24,6 +24,24 @@ from engine.step import TokenLogprob
 
 if TYPE_CHECKING:
     from engine.scheduler import Sequence
+
+
+@dataclass(frozen=True)
+class TokenOrigin:
+    """Where one output token came from (SamplingParams.spec_trace): a draft token the target
+    accepted, or the target's own (a round's correction or bonus token; every token of plain
+    decoding). `end`: where its text ends, in characters of the output text (so token i's text is
+    text[end of i-1 : end of i]; a token that completes no character yet ends where the last did)."""
+
+    round: int  # the request's round (one target forward) that produced it, from 0
+    draft: bool
+    end: int
+    k: int = 0  # on a round's target token: the draft tokens that round proposed
+
+
+def within(origins: list[TokenOrigin], length: int) -> list[TokenOrigin]:
+    """The origins with no token ending past `length` characters (a stop string cut the text there)."""
+    return [o if o.end <= length else replace(o, end=length) for o in origins]
 
 
 @dataclass
@@ -42,6 +60,7 @@ class RequestDelta:
     logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token in token_ids
     # with prompt_logprobs, on the first delta: None, then one per token
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    origins: list[TokenOrigin] | None = None  # with SamplingParams.spec_trace: one per token in token_ids
 
     @property
     def error(self) -> str | None:
@@ -67,9 +86,10 @@ class OutputProcessor:
         """A new request: its text starts empty, with its stop strings."""
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
 
-    def append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
-        """A step's new tokens for `seq`, up to the first that finishes it (the rest are dropped);
-        returns how many were kept."""
+    def append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None,
+               drafted: int = 0, k: int = 0) -> int:
+        """A round's new tokens for `seq` (the first `drafted` of them accepted drafts, of `k`
+        proposed), up to the first that finishes it (the rest are dropped); returns how many were kept."""
         p = seq.params
         kept = 0
         for i, token in enumerate(tokens):
@@ -78,6 +98,9 @@ class OutputProcessor:
                 seq.logprobs.append(logprobs[i])
             kept += 1
             stop = seq.detokenizer.add(token)  # new text only: the cost per token stays flat
+            if p.spec_trace:
+                seq.origins.append(TokenOrigin(seq.rounds, i < drafted, len(seq.detokenizer.text),
+                                               k if i == drafted else 0))
             if not p.ignore_eos and token in self.eos_ids:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_ids:
@@ -88,6 +111,7 @@ class OutputProcessor:
                 seq.finish_reason = "length"
             if seq.finished:
                 break
+        seq.rounds += 1
         return kept
 
     def delta(self, seq: Sequence, cursor: StreamCursor) -> RequestDelta:
@@ -98,6 +122,8 @@ class OutputProcessor:
                              failure=seq.error)
         if seq.params.logprobs is not None:
             delta.logprobs = seq.logprobs[cursor.tokens:]
+        if seq.params.spec_trace:  # a stop string cut the text: no token ends past it
+            delta.origins = within(seq.origins[cursor.tokens:], len(text))
         if cursor.tokens == 0:
             delta.prompt_token_ids = list(seq.prompt_ids)
             delta.prompt_logprobs = seq.prompt_logprobs

@@ -26,7 +26,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import INTERNAL_ERROR, RequestFailure
 from engine.kv.cache_manager import KVCacheManager, SeqCache
 from engine.metrics import EngineCounters, SpecDecodeStats
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, TokenOrigin
 from engine.plan import PrefillCall, RequestStart, RoundPlan, StepOutput, StepPlan
 from engine.prefill_pacing import PrefillPacer
 from engine.rejection import ahead_block_continues
@@ -71,6 +71,8 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: per output token
     # with params.prompt_logprobs: per prompt token the same, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    rounds: int = 0  # rounds that gave it tokens
+    origins: list[TokenOrigin] = field(default_factory=list)  # with params.spec_trace: per output token
 
     @property
     def all_ids(self) -> list[int]:
@@ -233,8 +235,8 @@ class Scheduler:
     def _start(self, seq: Sequence, plan: StepPlan) -> None:
         """A new request's state on the workers and the draft's view of its prompt (once: a
         preempted request keeps both)."""
-        start = self.policy.start(seq.acceptance, len(self.running), min(seq.params.max_tokens or 0, self._budget(seq)),
-                                  len(seq.prompt_ids))
+        start = None if not seq.params.speculative else self.policy.start(  # (the request asked for none)
+            seq.acceptance, len(self.running), min(seq.params.max_tokens or 0, self._budget(seq)), len(seq.prompt_ids))
         if start is None:  # no speculation, or gated: drafting can't pay at the acceptance measured
             seq.drafts = False  # never drafts: no draft state, prefill or probes
         else:
@@ -560,7 +562,7 @@ class Scheduler:
             else:
                 seq.draft.computed = min(fed, known + accepted)
             try:
-                self._append(seq, new, result.logprobs.get(b))
+                self._append(seq, new, result.logprobs.get(b), accepted, k)
             except Exception as e:  # noqa: BLE001 - e.g. detokenizing; fails this request only
                 log.error("request %s failed after the step", seq.request_id, exc_info=e)
                 seq.finish_reason, seq.error = "error", INTERNAL_ERROR
@@ -668,11 +670,12 @@ class Scheduler:
         held = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         return RowSampling(seq.request_id, p, tuple(sorted(held)), hold, **history)
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
-        """The step's tokens to the request's output (text, stop checks: the output processor's),
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None, drafted: int,
+                k: int) -> None:
+        """The round's tokens to the request's output (text, stop checks: the output processor's),
         then to the draft's view of it."""
         start = len(seq.output_ids)
-        self.counters.num_generation_tokens += self.outputs.append(seq, tokens, logprobs)
+        self.counters.num_generation_tokens += self.outputs.append(seq, tokens, logprobs, drafted, k)
         if seq.drafts:  # the draft's view, for a request that may draft
             added = seq.output_ids[start:]
             seq.draft_ids.extend(self.vocab_mapping.to_draft(added) if self.vocab_mapping else added)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ctandem.proto\x12\x06tandem\"h\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.tandem.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xb8\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12%\n\x08messages\x18\x04 \x03(\x0b\x32\x13.tandem.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12:\n\nlogit_bias\x18\x11 \x03(\x0b\x32&.tandem.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\t\x88\x01\x01\x12\x17\n\ncache_salt\x18\x14 \x01(\tH\n\x88\x01\x01\x12\x35\n\x12structured_outputs\x18\x15 \x01(\x0b\x32\x19.tandem.StructuredOutputs\x12\x1b\n\x05tools\x18\x16 \x03(\x0b\x32\x0c.tandem.Tool\x12\x13\n\x0btool_choice\x18\x17 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x18 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x19 \x01(\x08H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\r\n\x0b_cache_saltB\x16\n\x14_parallel_tool_calls\"\xb3\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.tandem.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x89\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12(\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x12.tandem.TopLogprobB\n\n\x08_logprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xa1\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x05 \x03(\x03\"\xa6\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.tandem.Usage\x12,\n\x0bspec_decode\x18\x05 \x01(\x0b\x32\x17.tandem.SpecDecodeStats\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.tandem.TokenLogprob\x12-\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x14.tandem.TokenLogprob\x12$\n\ntool_calls\x18\x08 \x03(\x0b\x32\x10.tandem.ToolCall\x12\x11\n\treasoning\x18\t \x01(\t\"\xb1\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.tandem.Usage\x12,\n\x0bspec_decode\x18\x05 \x01(\x0b\x32\x17.tandem.SpecDecodeStats\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.tandem.TokenLogprob\x12-\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x14.tandem.TokenLogprob\x12)\n\ntool_calls\x18\x08 \x03(\x0b\x32\x15.tandem.ToolCallDelta\x12\x11\n\treasoning\x18\t \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.tandem.ModelCard\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\x99\x02\n\rTandemService\x12=\n\x08Generate\x12\x17.tandem.GenerateRequest\x1a\x18.tandem.GenerateResponse\x12K\n\x0eGenerateStream\x12\x17.tandem.GenerateRequest\x1a\x1e.tandem.GenerateStreamResponse0\x01\x12\x43\n\nListModels\x12\x19.tandem.ListModelsRequest\x1a\x1a.tandem.ListModelsResponse\x12\x37\n\x06Health\x12\x15.tandem.HealthRequest\x1a\x16.tandem.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ctandem.proto\x12\x06tandem\"h\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.tandem.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xf6\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12%\n\x08messages\x18\x04 \x03(\x0b\x32\x13.tandem.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12:\n\nlogit_bias\x18\x11 \x03(\x0b\x32&.tandem.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\t\x88\x01\x01\x12\x17\n\ncache_salt\x18\x14 \x01(\tH\n\x88\x01\x01\x12\x35\n\x12structured_outputs\x18\x15 \x01(\x0b\x32\x19.tandem.StructuredOutputs\x12\x1b\n\x05tools\x18\x16 \x03(\x0b\x32\x0c.tandem.Tool\x12\x13\n\x0btool_choice\x18\x17 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x18 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x19 \x01(\x08H\x0b\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x1a \x01(\x08H\x0c\x88\x01\x01\x12\x12\n\nspec_trace\x18\x1b \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\r\n\x0b_cache_saltB\x16\n\x14_parallel_tool_callsB\x0e\n\x0c_speculative\"\xb3\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x12.tandem.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x89\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12(\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x12.tandem.TopLogprobB\n\n\x08_logprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xa1\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x05 \x03(\x03\"C\n\x0bTokenOrigin\x12\x0b\n\x03\x65nd\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x05\x12\r\n\x05\x64raft\x18\x03 \x01(\x08\x12\t\n\x01k\x18\x04 \x01(\x05\"\xcc\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.tandem.Usage\x12,\n\x0bspec_decode\x18\x05 \x01(\x0b\x32\x17.tandem.SpecDecodeStats\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.tandem.TokenLogprob\x12-\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x14.tandem.TokenLogprob\x12$\n\ntool_calls\x18\x08 \x03(\x0b\x32\x10.tandem.ToolCall\x12\x11\n\treasoning\x18\t \x01(\t\x12$\n\x07origins\x18\n \x03(\x0b\x32\x13.tandem.TokenOrigin\"\xd7\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.tandem.Usage\x12,\n\x0bspec_decode\x18\x05 \x01(\x0b\x32\x17.tandem.SpecDecodeStats\x12&\n\x08logprobs\x18\x06 \x03(\x0b\x32\x14.tandem.TokenLogprob\x12-\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x14.tandem.TokenLogprob\x12)\n\ntool_calls\x18\x08 \x03(\x0b\x32\x15.tandem.ToolCallDelta\x12\x11\n\treasoning\x18\t \x01(\t\x12$\n\x07origins\x18\n \x03(\x0b\x32\x13.tandem.TokenOrigin\"\x13\n\x11ListModelsRequest\"<\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.tandem.ModelCard\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\x99\x02\n\rTandemService\x12=\n\x08Generate\x12\x17.tandem.GenerateRequest\x1a\x18.tandem.GenerateResponse\x12K\n\x0eGenerateStream\x12\x17.tandem.GenerateRequest\x1a\x1e.tandem.GenerateStreamResponse0\x01\x12\x43\n\nListModels\x12\x19.tandem.ListModelsRequest\x1a\x1a.tandem.ListModelsResponse\x12\x37\n\x06Health\x12\x15.tandem.HealthRequest\x1a\x16.tandem.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,35 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALLDELTA']._serialized_start=250
   _globals['_TOOLCALLDELTA']._serialized_end=325
   _globals['_GENERATEREQUEST']._serialized_start=328
-  _globals['_GENERATEREQUEST']._serialized_end=1280
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1034
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1082
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1283
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1462
-  _globals['_CHOICELIST']._serialized_start=1464
-  _globals['_CHOICELIST']._serialized_end=1493
-  _globals['_TOPLOGPROB']._serialized_start=1495
-  _globals['_TOPLOGPROB']._serialized_end=1557
-  _globals['_TOKENLOGPROB']._serialized_start=1560
-  _globals['_TOKENLOGPROB']._serialized_end=1697
-  _globals['_USAGE']._serialized_start=1699
-  _globals['_USAGE']._serialized_end=1778
-  _globals['_SPECDECODESTATS']._serialized_start=1781
-  _globals['_SPECDECODESTATS']._serialized_end=1942
-  _globals['_GENERATERESPONSE']._serialized_start=1945
-  _globals['_GENERATERESPONSE']._serialized_end=2239
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2242
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2547
-  _globals['_LISTMODELSREQUEST']._serialized_start=2549
-  _globals['_LISTMODELSREQUEST']._serialized_end=2568
-  _globals['_MODELCARD']._serialized_start=2570
-  _globals['_MODELCARD']._serialized_end=2630
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2632
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2687
-  _globals['_HEALTHREQUEST']._serialized_start=2689
-  _globals['_HEALTHREQUEST']._serialized_end=2704
-  _globals['_HEALTHRESPONSE']._serialized_start=2706
-  _globals['_HEALTHRESPONSE']._serialized_end=2738
-  _globals['_TANDEMSERVICE']._serialized_start=2741
-  _globals['_TANDEMSERVICE']._serialized_end=3022
+  _globals['_GENERATEREQUEST']._serialized_end=1342
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1080
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1128
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1345
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1524
+  _globals['_CHOICELIST']._serialized_start=1526
+  _globals['_CHOICELIST']._serialized_end=1555
+  _globals['_TOPLOGPROB']._serialized_start=1557
+  _globals['_TOPLOGPROB']._serialized_end=1619
+  _globals['_TOKENLOGPROB']._serialized_start=1622
+  _globals['_TOKENLOGPROB']._serialized_end=1759
+  _globals['_USAGE']._serialized_start=1761
+  _globals['_USAGE']._serialized_end=1840
+  _globals['_SPECDECODESTATS']._serialized_start=1843
+  _globals['_SPECDECODESTATS']._serialized_end=2004
+  _globals['_TOKENORIGIN']._serialized_start=2006
+  _globals['_TOKENORIGIN']._serialized_end=2073
+  _globals['_GENERATERESPONSE']._serialized_start=2076
+  _globals['_GENERATERESPONSE']._serialized_end=2408
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2411
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2754
+  _globals['_LISTMODELSREQUEST']._serialized_start=2756
+  _globals['_LISTMODELSREQUEST']._serialized_end=2775
+  _globals['_MODELCARD']._serialized_start=2777
+  _globals['_MODELCARD']._serialized_end=2837
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2839
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2894
+  _globals['_HEALTHREQUEST']._serialized_start=2896
+  _globals['_HEALTHREQUEST']._serialized_end=2911
+  _globals['_HEALTHRESPONSE']._serialized_start=2913
+  _globals['_HEALTHRESPONSE']._serialized_end=2945
+  _globals['_TANDEMSERVICE']._serialized_start=2948
+  _globals['_TANDEMSERVICE']._serialized_end=3229
 # @@protoc_insertion_point(module_scope)
