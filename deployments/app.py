@@ -93,6 +93,9 @@ class ServeArgs(BaseModel):
         "A Jinja chat template (its text, or a file that holds it) to use instead of the model's own; "
         "vLLM's `--chat-template`. A template that refers to `tools` renders tools itself."))
 
+    disable_playground: bool = Field(default=False, description=(
+        "Serve no playground page (`/playground`, and `/` redirecting there): the API alone."))
+
     @model_validator(mode="after")
     def _auto_tool_choice_needs_a_parser(self) -> "ServeArgs":
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

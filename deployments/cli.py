@@ -103,6 +103,8 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="split a reasoning model's thinking into reasoning_content (vLLM's names)")
     p.add_argument("--chat-template", default=None,
                    help="a chat template (a file, or the template's text) instead of the model's own")
+    p.add_argument("--disable-playground", action="store_true", default=None,
+                   help="serve no playground page at /playground (the API alone)")
     return p
 
 

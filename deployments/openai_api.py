@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions, /v1/chat/completions,
-/v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics.
+/v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics, and the
+playground page (/playground; deployments/playground.py).
 
 The routes and the edge only: parsing, validation and tokenization are deployments/requests.py's,
 run in a worker thread; answers are the serving classes' (deployments/serving_completion.py,
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.app import ServeArgs
 from deployments.lingering import RequestBody, drain_limit
 from deployments.metrics_export import metrics_text
+from deployments.playground import add_playground
 from deployments.api_errors import RequestError
 from deployments.auth import key_matches
 from deployments.requests import RequestLayer
@@ -177,6 +179,9 @@ def create_app(engine: AsyncEngine, args: ServeArgs, api_key: SecretStr | None =
         except RequestError as e:
             log.info("request %s: %d %s", rid, e.status, e.message)
             return error_response(e, rid)
+
+    if not args.disable_playground:
+        add_playground(app)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -48,6 +48,7 @@ SERVING_ONLY: dict[str, str] = {
     "tool_call_parser": "tool_choice is a chat API field; offline, LLM.chat takes tool_parser",
     "reasoning_parser": "reasoning is split from the answer by the chat API's responses",
     "chat_template": "chat templates are applied by the request layer; offline, LLM.chat takes chat_template",
+    "disable_playground": "the playground is a page of the HTTP front end",
 }
 
 # `tandem serve` flags that set no serve arg of their own name: what each sets, and why.

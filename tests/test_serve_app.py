@@ -11,6 +11,7 @@ import ray
 from ray import serve
 
 from deployments.app import build_app
+from browser import answer, browser_page, fill, run, sse_events, wait_text
 from servers import free_port, owned_by_session
 
 TARGET, DRAFT = "random:tiny-llama:1", "random:tiny-llama:2"
@@ -26,7 +27,7 @@ def server(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("key") / "api_key"
     key_file.write_text("s3cret\n")
     apps = {
-        "plain": {"model": TARGET},
+        "plain": {"model": TARGET, "disable_playground": True},
         "spec": {"model": TARGET, "speculative_config": SPEC},
         "keyed": {"model": TARGET, "api_key_file": str(key_file), "served_model_name": "tiny"},
         "small": {"model": TARGET, "speculative_config": SPEC, "max_num_seqs": 1, "max_queued_requests": 1},
@@ -398,3 +399,110 @@ def test_grpc_logprobs_and_penalties(base, stubs):
     forced = stubs["spec"].Generate(pb.GenerateRequest(model=TARGET, prompt="the cat", max_tokens=4, temperature=0,
                                                        ignore_eos=True, logit_bias={9: 100.0}, presence_penalty=0.0))
     assert list(forced.token_ids) == [9] * 4
+
+
+TRACED = dict(model=TARGET, prompt="the cat sat", max_tokens=30, temperature=0, ignore_eos=True)
+
+
+def streamed_events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        return sse_events(r.read().decode())
+
+
+def test_spec_trace_whole_and_streamed_agree_with_the_stats(base):
+    url = f"{base}/spec/v1/completions"
+    whole = httpx.post(url, json={**TRACED, "spec_trace": True}).json()
+    choice = whole["choices"][0]
+    trace, tokens = choice["spec_trace"], choice["spec_trace"]["tokens"]
+    assert len(tokens) == whole["usage"]["completion_tokens"] == 30
+    assert trace["stats"]["num_drafts"] > 0
+    assert sum(t["draft"] for t in tokens) == trace["stats"]["num_accepted_tokens"]
+    assert tokens[-1]["end"] == len(choice["text"]) and [t["end"] for t in tokens] == sorted(t["end"] for t in tokens)
+    # streamed: the same trace, piece by piece, and the counters once, on the last chunk
+    events = streamed_events(url, {**TRACED, "spec_trace": True})
+    traces = [c["spec_trace"] for e in events for c in e["choices"] if "spec_trace" in c]
+    assert [t for x in traces for t in x["tokens"]] == tokens
+    assert [x["stats"] for x in traces if "stats" in x] == [trace["stats"]] and "stats" in traces[-1]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == choice["text"]
+    # not asked for: nothing new on the wire, whole or streamed
+    assert "spec_trace" not in httpx.post(url, json=TRACED).json()["choices"][0]
+    assert not any("spec_trace" in c for e in streamed_events(url, TRACED) for c in e["choices"])
+    # chat, through the official client: the extension rides as an extra field
+    chat = client(base, "spec").chat.completions.create(model=TARGET, messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=20, temperature=0, extra_body={"spec_trace": True})
+    chat_trace = chat.choices[0].model_extra["spec_trace"]
+    assert len(chat_trace["tokens"]) == chat.usage.completion_tokens
+    assert chat_trace["tokens"][-1]["end"] == len(chat.choices[0].message.content)
+
+
+def test_speculative_false_turns_drafting_off_for_that_request_only(base):
+    url = f"{base}/spec/v1/completions"
+    on = httpx.post(url, json={**TRACED, "spec_trace": True}).json()["choices"][0]
+    off = httpx.post(url, json={**TRACED, "spec_trace": True, "speculative": False}).json()["choices"][0]
+    assert off["text"] == on["text"]  # greedy: the same answer
+    assert off["spec_trace"]["stats"]["num_drafts"] == 0 and not any(t["draft"] for t in off["spec_trace"]["tokens"])
+    assert [t["round"] for t in off["spec_trace"]["tokens"]] == list(range(30))  # one token a round
+    assert on["spec_trace"]["stats"]["num_drafts"] > 0
+    bad = httpx.post(url, json={**TRACED, "speculative": "sometimes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
+
+
+def test_spec_trace_over_grpc_equals_http(base, stubs):
+    from tandem_proto import tandem_pb2 as pb
+
+    http = httpx.post(f"{base}/spec/v1/completions", json={**TRACED, "spec_trace": True}).json()["choices"][0]
+    expected = [(t["end"], t["round"], t["draft"], t["k"]) for t in http["spec_trace"]["tokens"]]
+    fields = {k: v for k, v in TRACED.items()}
+    req = pb.GenerateRequest(**fields, spec_trace=True)
+    unary = stubs["spec"].Generate(req)
+    assert [(o.end, o.round, o.draft, o.k) for o in unary.origins] == expected
+    assert sum(o.draft for o in unary.origins) == unary.spec_decode.num_accepted_tokens
+    parts = list(stubs["spec"].GenerateStream(req))
+    assert [(o.end, o.round, o.draft, o.k) for p in parts for o in p.origins] == expected
+    assert not stubs["spec"].Generate(pb.GenerateRequest(**fields)).origins  # not asked for
+    off = stubs["spec"].Generate(pb.GenerateRequest(**fields, speculative=False))
+    assert off.text == unary.text and off.spec_decode.num_drafts == 0
+
+
+def test_playground_is_served_with_strict_headers_and_can_be_turned_off(base):
+    root = httpx.get(f"{base}/spec/")
+    assert root.status_code == 307 and root.headers["location"] == "/spec/playground"  # under its route prefix
+    page = httpx.get(f"{base}/spec/playground")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe" not in csp and page.headers["x-content-type-options"] == "nosniff"
+    assert not re.search(r"(src|href)=\"(https?:)?//", page.text)  # nothing from anywhere but the app
+    for name, kind in [("playground.js", "text/javascript"), ("playground.css", "text/css")]:
+        asset = httpx.get(f"{base}/spec/playground/{name}")
+        assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
+        assert "http://" not in asset.text and "https://" not in asset.text
+    missing = httpx.get(f"{base}/spec/playground/secrets.txt")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert httpx.get(f"{base}/keyed/playground").status_code == 200  # the page is public; the API is not
+    for path in ("/plain/playground", "/plain/playground/playground.js", "/plain/"):  # disable_playground
+        assert httpx.get(f"{base}{path}").status_code == 404
+
+
+def test_playground_in_a_browser_sends_the_typed_key_in_the_header_only(base):
+    with browser_page() as page:
+        calls = []
+        page.on("request", lambda r: calls.append((r.url, r.headers.get("authorization"))))
+        page.goto(f"{base}/keyed/playground")
+        wait_text(page, "#status", "API key")
+        fill(page, mode="completion", prompt="the cat sat", max_tokens=12, temperature=0)
+        run(page)  # no key: the API's 401, shown
+        assert "401" in page.text_content("#status") and answer(page) == ""
+        fill(page, api_key="s3cret")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_selector("#model option[value='tiny']", state="attached")
+        run(page)
+        expected = client(base, "keyed", key="s3cret").completions.create(
+            model="tiny", prompt="the cat sat", max_tokens=12, temperature=0)
+        assert answer(page) == expected.choices[0].text and answer(page)
+        assert page.text_content("#m-tokens") == "12"
+        api = [(url, auth) for url, auth in calls if "/v1/" in url]
+        assert [auth for _, auth in api][-2:] == ["Bearer s3cret"] * 2  # the models list, then the completion
+        assert not any("s3cret" in url for url, _ in calls)  # never in a URL
+        stored = page.evaluate("() => localStorage.length + sessionStorage.length + document.cookie.length")
+        assert stored == 0  # and never stored by the page
