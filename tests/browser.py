@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+from pathlib import Path
 
 from playwright.sync_api import Page, sync_playwright
 
 TIMEOUT_MS = 180_000  # a whole answer of the Qwen pair on two cores, with room
+# screenshots a run leaves behind (CI keeps the folder); the docs show a copy of one
+ARTIFACTS = Path(os.environ.get("TANDEM_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ The config is the shipped file with only its two ports moved to free ones, and t
 the processes answering on them belong to the `serve run` it started (a server already on 8000
 must not be tested in its place)."""
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 from conftest import QWEN_CODER
 from serve_config_checks import *  # noqa: F401,F403  the checks every shipped config passes
 from serve_config_checks import ServedConfig
+from browser import ARTIFACTS, answer, browser_page, fill, run, spans, sse_events
 from servers import serve_run
 from engine import LLM, SamplingParams
 
@@ -110,3 +112,55 @@ def test_auto_tool_call_through_the_hermes_parser_is_lossless(server, client, pl
         *messages, served.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C, both days."}]).choices[0]
     assert answer.finish_reason in ("stop", "length") and answer.message.content
+
+
+def test_the_playground_in_a_browser_shows_what_speculation_did(server, client):
+    """The playground against the default app in headless Chromium, as a user runs it: a greedy code chat
+    streams, its text is the API's, one coloured span per accepted draft (the count the stream's own
+    counters report), hovering a token lights its round; then the side-by-side run shows the same text
+    without speculation and says so. A screenshot goes to the test artifacts (docs/serving/playground.md
+    shows one)."""
+    prompt, max_tokens = CODE[0]["content"], 48
+    with browser_page() as page:
+        page.goto(f"{server.base}/")  # redirected to the page
+        assert page.url == f"{server.base}/playground"
+        page.wait_for_selector(f"#model option[value='{QWEN_CODER}']", state="attached")
+        fill(page, mode="chat", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        with page.expect_response(lambda r: r.url.endswith("/v1/chat/completions")) as streamed:
+            run(page)
+        events = sse_events(streamed.value.text())
+        [stats] = [c["spec_trace"]["stats"] for e in events for c in e["choices"] if "stats" in c.get("spec_trace", {})]
+        api = client.chat.completions.create(model=QWEN_CODER, messages=CODE, max_tokens=max_tokens, temperature=0)
+        assert answer(page) == api.choices[0].message.content
+        assert spans(page, kind="draft") == stats["num_accepted_tokens"] > 0
+        assert spans(page, kind="draft") + spans(page, kind="target") == api.usage.completion_tokens
+        assert page.text_content("#m-drafts") == str(stats["num_accepted_tokens"])
+        assert page.text_content("#m-mal") == f"{stats['mean_acceptance_length']:.2f}"
+        assert int(page.text_content("#m-k")) >= 1 and page.text_content("#m-ttft").endswith("ms")
+        first = page.locator("#answer-spec .tok.draft").filter(has_text=re.compile(r"\w")).first  # visible text
+        first.hover()
+        round_size = page.locator(f"#answer-spec .tok[data-round='{first.get_attribute('data-round')}']").count()
+        assert page.locator("#answer-spec .tok.lit").count() == round_size >= 2  # its drafts and the target's token
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        run(page, "compare")
+        assert answer(page, "plain") == answer(page, "spec") == api.choices[0].message.content
+        assert spans(page, "plain", "draft") == 0 and spans(page, "plain", "target") == api.usage.completion_tokens
+        assert page.text_content("#compare-note").startswith("Identical text (greedy")
+        assert page.text_content("#time-spec").endswith(" s") and page.text_content("#time-plain").endswith(" s")
+        page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+
+
+def test_model_text_is_shown_as_text_never_run(server, client):
+    """A completion that makes the model write a <script> element (it continues the pattern): the page
+    shows the characters; no element is made of them and nothing runs."""
+    prompt = "".join(f"<script>window.pwned = {i}</script>\n" for i in range(1, 5)) + "<script>window.pwned ="
+    api = client.completions.create(model=QWEN_CODER, prompt=prompt, max_tokens=24, temperature=0)
+    assert "</script>" in api.choices[0].text  # the model did write markup
+    with browser_page() as page:
+        page.goto(f"{server.base}/playground")
+        page.wait_for_selector(f"#model option[value='{QWEN_CODER}']", state="attached")
+        fill(page, mode="completion", prompt=prompt, max_tokens=24, temperature=0)
+        run(page)
+        assert answer(page) == api.choices[0].text
+        assert page.locator("#answer-spec script, #answer-spec *:not(span)").count() == 0
+        assert page.evaluate("() => window.pwned === undefined")

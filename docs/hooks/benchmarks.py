@@ -577,6 +577,13 @@ SPECS: dict[str, Spec] = {
     ], note=lambda d: f"{d['max_tokens']} tokens a request. One engine step at batch 1, speculation on: "
                       f"LocalExecutor {d['step_ms']['local']:.1f} ms, RayExecutor {d['step_ms']['ray']:.1f} ms "
                       f"({d['step_ms']['ray'] / d['step_ms']['local']:.2f}x)."),
+    "trace_cost": Spec([
+        ("model, requests per side", lambda m: f"`{m['model']}`, {m['requests_per_side']} x {m['max_tokens']} tokens"),
+        ("median stream, without / with", lambda m: f"{m['without']['median_s']:.3f} / {m['with']['median_s']:.3f} s"),
+        ("time, with / without", lambda m: f"**{ratio(m['time_ratio_with_over_without'], 3)}**"),
+        ("bytes, without / with", lambda m: f"{m['without']['median_bytes']:,.0f} / {m['with']['median_bytes']:,.0f}"),
+        ("bytes, with / without", lambda m: ratio(m["bytes_ratio_with_over_without"])),
+    ], per_machine=True),
     "load_bench": Spec([
         ("method", lambda r: LOAD_METHODS.get(r["method"], r["method"])),
         ("peak RSS", lambda r: f"{r['peak_rss'] / GIB:.2f} GiB"),
