@@ -624,6 +624,16 @@ SPECS: dict[str, Spec] = {
         ("predicted", lambda r: f"{r['predicted']:.2f}" if "predicted" in r else ""),
         ("mean K", lambda r: f"{r['mean_k']:.1f}"),
     ]),
+    "spec_bench_qwen-coder": Spec([
+        ("K", lambda r: str(r["k"])),
+        ("acceptance", lambda r: f"{r['acceptance_rate']:.2f}"),
+        ("mean length", lambda r: f"{r['mean_acceptance_length']:.2f}"),
+        ("plain tok/s", lambda r: num(r["plain_tok_s"])),
+        ("speedup", lambda r: f"**{ratio(r['speedup'])}**"),
+        ("predicted", lambda r: f"{r['predicted']:.2f}" if r.get("predicted") else ""),
+        ("measured / predicted", lambda r: pct(r["speedup"] / r["predicted"]) if r.get("predicted") else ""),
+        ("mean K", lambda r: f"{r['mean_k']:.1f}"),
+    ], per_machine=True),
     "pard_bench": Spec([
         ("a", lambda r: str(r["alpha"])),
         ("K", lambda r: str(r["k"])),
