@@ -13,8 +13,12 @@ Rows (greedy, batch 1, decode rate: tokens after the first / their time, as llam
   at batch 1): generate / forward is the engine's per-token overhead;
 - speculative: SmolLM2 F32 target <- SmolLM2 Q4_1 draft, K=3 (llama-speculative; the F32 file made
   by llama-quantize from the Q4_1 one) vs Tandem with the same two files;
-- Tandem's default app (serve_config.yaml's engine: Gemma 3 <- SmolLM2, TLI; llama.cpp refuses that
-  pair) vs llama.cpp's plain Gemma.
+- the default app's pair, Qwen2.5-Coder 1.5B <- 0.5B (serve_config.yaml's engine: one tokenizer, K=3,
+  adaptive K), on a code prompt: plain 1.5B (llama-bench tg vs Tandem plain), the default app vs
+  llama-speculative on the same two files at K=3, and the default app vs llama.cpp's plain 1.5B (what
+  a user of either gets fastest);
+- the TLI app (serve_config_tli.yaml's engine: Gemma 3 <- SmolLM2; llama.cpp refuses that pair) vs
+  llama.cpp's plain Gemma.
 Each row alternates llama.cpp and Tandem `--rounds` times. Reported: the median of each side and, as the
 ratio, the median of the rounds' own ratios (each round's two runs are back to back; this machine has
 slow and fast phases of +-20% that a ratio of medians would mix). Engine overhead likewise per round:
@@ -40,6 +44,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 BIN = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "tandem" / "llama.cpp")) / "build" / "bin"
 BUILDS = {"native": BIN, "avx2": Path.home() / ".cache" / "tandem" / "llama.cpp-avx2" / "build" / "bin"}
 PROMPT = "The history of the printing press"
+CODE_PROMPT = "# Return the n-th Fibonacci number, iteratively.\ndef fibonacci(n):"  # the Qwen-Coder rows
 
 
 def llama_bench(model: Path, tokens: int, threads: int) -> float:
@@ -75,8 +80,8 @@ def tandem_prefill(llm, tokens: int) -> tuple[float, float]:
     return tokens / ttft, tokens / (time.perf_counter() - start)
 
 
-def llama_speculative(target: Path, draft: Path, k: int, tokens: int, threads: int) -> dict:
-    out = subprocess.run([str(BIN / "llama-speculative"), "-m", str(target), "-md", str(draft), "-p", PROMPT,
+def llama_speculative(target: Path, draft: Path, k: int, tokens: int, threads: int, prompt: str = PROMPT) -> dict:
+    out = subprocess.run([str(BIN / "llama-speculative"), "-m", str(target), "-md", str(draft), "-p", prompt,
                           "-n", str(tokens), "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
                           "--temp", "0", "-t", str(threads), "-td", str(threads), "-c", "1024", "-s", "1"],
                          capture_output=True, text=True, check=True)
@@ -86,13 +91,13 @@ def llama_speculative(target: Path, draft: Path, k: int, tokens: int, threads: i
     return {"tok_s": rate, "acceptance": accept}
 
 
-def tandem_rate(llm, tokens: int) -> float:
+def tandem_rate(llm, tokens: int, prompt: str = PROMPT) -> float:
     """Decode rate through LLM.generate: (tokens - 1) / (time(tokens) - time(1))."""
     from engine import SamplingParams
 
     def timed(n: int) -> float:
         start = time.perf_counter()
-        llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         return time.perf_counter() - start
     first = min(timed(1) for _ in range(2))
     return (tokens - 1) / (timed(tokens) - first)
@@ -229,13 +234,41 @@ def main() -> None:
            tandem_acceptance=round(llm.spec_decode_stats.acceptance_rate, 3))
     del llm
 
-    app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
-    config = parse_args(app).engine_config().model_copy(update={"distributed_executor_backend": None})
-    llm = LLM(**config.model_dump(exclude_none=True, exclude={"cpu_isa"}))
+    def app_engine(config_file: str):
+        app = yaml.safe_load((ROOT / config_file).read_text())["applications"][0]["args"]
+        config = parse_args(app).engine_config().model_copy(update={"distributed_executor_backend": None})
+        return LLM(**config.model_dump(exclude_none=True, exclude={"cpu_isa"}))
+
+    # the default app's pair, on a code prompt (both sides greedy, the same text)
+    qwen = Path(resolve_model("Qwen/Qwen2.5-Coder-1.5B-Instruct").path)
+    qwen_draft = Path(resolve_model("Qwen/Qwen2.5-Coder-0.5B-Instruct").path)
+    llm = LLM(model=str(qwen), max_model_len=1024)
+    tandem_rate(llm, 8, CODE_PROMPT)
+    llama_plain, tandem = turns(args.rounds, lambda: llama_bench(qwen, args.tokens, args.threads),
+                                lambda: tandem_rate(llm, args.tokens, CODE_PROMPT))
+    record("plain Qwen2.5-Coder-1.5B Q4_K_M", llama_plain, tandem)
+    del llm
+    llm = app_engine("serve_config.yaml")
+    tandem_rate(llm, 8, CODE_PROMPT)
+    spec_llama = []
+    llama, tandem = turns(args.rounds, lambda: spec_llama.append(
+        llama_speculative(qwen, qwen_draft, 3, args.tokens, args.threads, CODE_PROMPT)) or spec_llama[-1]["tok_s"],
+        lambda: tandem_rate(llm, args.tokens, CODE_PROMPT))
+    record("default app Qwen2.5-Coder 1.5B <- 0.5B vs llama-speculative, K=3", llama, tandem,
+           llama_cpp_acceptance=round(statistics.median(r["acceptance"] for r in spec_llama), 3),
+           tandem_acceptance=round(llm.spec_decode_stats.acceptance_rate, 3))
+    # against llama.cpp's fastest here: its plain decoding (llama-speculative is slower than it on this pair)
+    llama, tandem = turns(args.rounds, lambda: llama_bench(qwen, args.tokens, args.threads),
+                          lambda: tandem_rate(llm, args.tokens, CODE_PROMPT))
+    record("default app vs llama.cpp plain Qwen2.5-Coder-1.5B", llama, tandem)
+    del llm
+
+    llm = app_engine("serve_config_tli.yaml")
     tandem_rate(llm, 8)
     llama, tandem = turns(args.rounds, lambda: llama_bench(gemma, args.tokens, args.threads),
                           lambda: tandem_rate(llm, args.tokens))
-    record("Tandem default app vs llama.cpp plain Gemma", llama, tandem)
+    record("TLI app Gemma 3 <- SmolLM2 vs llama.cpp plain Gemma", llama, tandem)
+    del llm
 
     finish(args, rows)
 
