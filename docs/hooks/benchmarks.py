@@ -218,10 +218,18 @@ def serve_key(row: dict) -> tuple:
 def headline_rows(_data=None) -> list[dict]:
     """One record per machine and isa: llamacpp_bench's row (machines recorded) and serve_vs_llama's."""
     llama = [r for r in load("llamacpp_bench") if r.get("cpu", "not recorded") != "not recorded"]
-    serve = {serve_key(r): r for r in load("serve_vs_llama")}
+    # the default app's rows where a machine has them (rows with a model), else the TLI app's
+    serve = {serve_key(r): r for r in sorted(load("serve_vs_llama"), key=lambda r: "model" in r)}
     out = [{"cpu": r["cpu"], "isa": isa(r), "llama": r, "serve": serve.pop(serve_key(r), None)} for r in llama]
     out += [{"cpu": k[0], "isa": k[1], "llama": None, "serve": r} for k, r in serve.items()]
     return out
+
+
+def serve_pair(m: dict) -> str:
+    """Rows from before the field: the TLI app (then the default) against llama-server's plain Gemma."""
+    if "model" not in m:
+        return "TLI app (Gemma 3 <- SmolLM2); plain Gemma"
+    return f"`{m['model']}`; " + ("the same pair" if m["llama_cpp_draft"] else "its target, plain")
 
 
 def headline_cell(short: str) -> Callable:
@@ -488,6 +496,7 @@ SPECS: dict[str, Spec] = {
         ("pp512 Gemma (TTFT)", llama_cell("pp512 Gemma", True)),
     ], per_machine=True, isa=True, parts="rows"),
     "serve_vs_llama": Spec([
+        ("Tandem's app; llama-server", serve_pair),
         ("streams x tokens, rounds", lambda m: f"{m['concurrency']} x {m['max_tokens']}, {m['rounds']}"),
         ("output tok/s, Tandem / llama-server",
          lambda m: f"{num(m['tandem']['output_throughput'])} / {num(m['llama.cpp']['output_throughput'])}"),
