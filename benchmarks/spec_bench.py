@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/spec_bench.py [--pairs real synthetic] [--max-tokens 32]
     .venv/bin/python benchmarks/spec_bench.py --pairs qwen-coder --ks 2 3 4 5 6 --max-tokens 96
+    .venv/bin/python benchmarks/spec_bench.py --pairs qwen-coder --chat --ks 3 4 --max-tokens 96 \
+        --temperatures 0 0.7 --draft-head-tokens 0 32768 --out spec_bench_qwen-coder_chat
+
+--chat sends code and prose requests in the model's chat template; --draft-head-tokens compares FR-Spec
+draft heads (0: the whole vocabulary), each taking turns with plain decoding in one stretch.
 
 For each pair and K: acceptance rate, mean acceptance length, per-position acceptance, tokens/s
 with and without speculation, the speedup; the measured cost ratios c = draft step / target step
@@ -20,6 +25,7 @@ takes turns with plain decoding prompt by prompt, so every speedup is a ratio of
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -35,6 +41,10 @@ from engine.verifier import Verifier
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = ["The history of the printing press begins", "def quicksort(items):\n", "Dear team, thank you for"]
+# chat-format prompts (--chat): code and prose, as the default app's users send them
+CHAT_PROMPTS = ["Write a Python function that merges two sorted lists, with a docstring.",
+                "Explain in a paragraph what a hash map is and when to use one.",
+                "Write a bash script that counts the lines of every .py file in a directory."]
 PAIRS = {
     "qwen-coder": ("Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct", {}),
     "real": ("google/gemma-3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct", {"use_heterogeneous_vocab": True}),
@@ -52,10 +62,31 @@ class SpecState:
         self.stats = type(core.scheduler.stats)()
         self.verifier = Verifier(core.executor.target.worker, spec)
 
+        self.head = None  # the draft's LM head for this state (FR-Spec rows); None: as it is
+
     def activate(self, core: EngineCore) -> None:
         sched = core.scheduler
         sched.spec, sched.policy, sched.stats = self.spec, self.policy, self.stats
         core.executor.target.verifier = self.verifier
+        if self.head is not None:
+            core.executor.draft.worker.model.lm_head = self.head
+
+
+def draft_heads(core: EngineCore, draft: str, sizes: list[int]) -> dict[int, torch.nn.Module]:
+    """The draft's LM head per FR-Spec size (0: the whole vocabulary), built once."""
+    from engine.frequent_tokens import FrequentTokenHead, frequent_token_ids
+    from engine.models.loading import load_tokenizer, resolve_model
+
+    model = core.executor.draft.worker.model
+    full, vocab = model.lm_head, model.args.vocab_size
+    tokenizer = load_tokenizer(resolve_model(draft))
+    return {n: full if not n or n >= vocab else FrequentTokenHead(full, frequent_token_ids(tokenizer, vocab, n), vocab)
+            for n in sizes}
+
+
+def chat_prompt(core: EngineCore, text: str) -> str:
+    return core.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                              add_generation_prompt=True)
 
 
 def generate(core: EngineCore, params: SamplingParams, prompt: str) -> tuple[int, float]:
@@ -81,32 +112,40 @@ def take_turns(core: EngineCore, states: list[SpecState], params: SamplingParams
     return [n / t for n, t in totals]
 
 
-def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens: int) -> list[dict]:
+def bench_pair(name: str, ks: list[int], alphas: list[float | None], max_tokens: int, chat: bool = False,
+               temperatures: list[float] | None = None, head_sizes: list[int] = (0,)) -> list[dict]:
     target, draft, extra = PAIRS[name]
     base = {"model": draft, "num_speculative_tokens": max(ks), **extra}
     core = EngineCore(EngineConfig(model=target, max_model_len=512, max_num_seqs=1,
                                    speculative_config=SpeculativeConfig.model_validate(base)), use_ray=False)
-    temperature = 0.0 if name != "synthetic" else 1.0
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    temperatures = temperatures or [0.0 if name != "synthetic" else 1.0]
+    prompts = [chat_prompt(core, p) for p in CHAT_PROMPTS] if chat else PROMPTS
+    heads = draft_heads(core, draft, list(head_sizes))
     plain = SpecState(core, None)
     plain.activate(core)
-    generate(core, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True), PROMPTS[0])  # warm-up
+    generate(core, SamplingParams(max_tokens=4, ignore_eos=True), prompts[0])  # warm-up
     rows = []
-    for alpha in alphas:
-        for k in [*ks, "adaptive"]:
-            cfg = {**base, "num_speculative_tokens": max(ks) if k == "adaptive" else k,
-                   "adaptive": k == "adaptive"}
-            if alpha is not None:
-                cfg.update(rejection_sample_method="synthetic",
-                           synthetic_acceptance_rates=[alpha ** (i + 1) for i in range(cfg["num_speculative_tokens"])])
-            state = SpecState(core, SpeculativeConfig.model_validate(cfg))
-            tps, plain_tps = take_turns(core, [state, plain], params, PROMPTS)
+    for alpha, temperature, k in itertools.product(alphas, temperatures, [*ks, "adaptive"]):
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+        cfg = {**base, "num_speculative_tokens": max(ks) if k == "adaptive" else k,
+               "adaptive": k == "adaptive"}
+        if alpha is not None:
+            cfg.update(rejection_sample_method="synthetic",
+                       synthetic_acceptance_rates=[alpha ** (i + 1) for i in range(cfg["num_speculative_tokens"])])
+        states = []
+        for head in heads.values():  # every head takes turns with plain decoding in one stretch
+            states.append(SpecState(core, SpeculativeConfig.model_validate(cfg)))
+            states[-1].head = head
+        *rates, plain_tps = take_turns(core, [*states, plain], params, prompts)
+        for head_size, state, tps in zip(heads, states, rates):
             stats = state.stats
             row = {"pair": name, "alpha_config": alpha, "k": k, "tok_s": tps, "plain_tok_s": plain_tps,
                    "speedup": tps / plain_tps, "acceptance_rate": stats.acceptance_rate,
-                   "mean_acceptance_length": stats.mean_acceptance_length,
-                   "per_position": stats.per_position_rates(), "mean_k": stats.num_draft_tokens / max(1, stats.num_drafts)}
+                   "mean_acceptance_length": stats.mean_acceptance_length, "draft_head_tokens": head_size or None,
+                   "chat": chat, "temperature": temperature, "per_position": stats.per_position_rates(),
+                   "mean_k": stats.num_draft_tokens / max(1, stats.num_drafts)}
             if k != "adaptive":
+                state.activate(core)
                 c, v = measure_costs(core, k)
                 # per-token acceptance: the configured rate, else the one that explains the measured length
                 a = alpha if alpha is not None else solve_alpha(stats.mean_acceptance_length, k)
@@ -153,19 +192,27 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 5])
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.5, 0.7, 0.9])
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--chat", action="store_true", help="chat-format code and prose prompts (the model's template)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=None,
+                    help="default: 0 (real pairs), 1 (synthetic)")
+    ap.add_argument("--draft-head-tokens", type=int, nargs="+", default=[0],
+                    help="FR-Spec draft heads to compare (0: the whole vocabulary)")
+    ap.add_argument("--out", default=None, help="results file stem (default: from the pairs)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = []
     for name in args.pairs:
-        rows += bench_pair(name, args.ks, [None] if name != "synthetic" else args.alphas, args.max_tokens)
+        rows += bench_pair(name, args.ks, [None] if name != "synthetic" else args.alphas, args.max_tokens,
+                           args.chat, args.temperatures, args.draft_head_tokens)
 
-    print(f"{'pair':<10}{'a':>5}{'K':>9}{'accept':>7}{'len':>6}{'tok/s':>7}{'plain':>7}{'speedup':>8}"
+    print(f"{'pair':<10}{'a':>5}{'K':>9}{'head':>7}{'accept':>7}{'len':>6}{'tok/s':>7}{'plain':>7}{'speedup':>8}"
           f"{'c':>6}{'v':>6}{'pred':>6}")
     for r in rows:
         pred = f"{r['predicted']:>6.2f}" if "predicted" in r else f"{'':>6}"
         cv = f"{r['c']:>6.2f}{r['v']:>6.2f}" if "c" in r else f"{'':>12}"
         alpha = "" if r["alpha_config"] is None else f"{r['alpha_config']:.1f}"
-        print(f"{r['pair']:<10}{alpha:>5}{str(r['k']):>9}{r['acceptance_rate']:>7.2f}{r['mean_acceptance_length']:>6.2f}"
+        head = str(r["draft_head_tokens"] or "all")
+        print(f"{r['pair']:<10}{alpha:>5}{str(r['k']):>9}{head:>7}{r['acceptance_rate']:>7.2f}{r['mean_acceptance_length']:>6.2f}"
               f"{r['tok_s']:>7.1f}{r['plain_tok_s']:>7.1f}{r['speedup']:>7.2f}x{cv}{pred}")
     RESULTS.mkdir(exist_ok=True)
     from machine import cpu_model
@@ -173,7 +220,7 @@ def main() -> None:
     for r in rows:
         r.update(cpu=cpu_model(), max_tokens=args.max_tokens)
     # one file per set of pairs: a run of one pair leaves the others' rows as they were
-    name = "spec_bench" if args.pairs == ["real", "synthetic"] else "spec_bench_" + "_".join(args.pairs)
+    name = args.out or ("spec_bench" if args.pairs == ["real", "synthetic"] else "spec_bench_" + "_".join(args.pairs))
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=2))
     plot(rows, RESULTS / f"{name}.png")
 
@@ -184,15 +231,18 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["pair"], r["alpha_config"]) for r in rows}, key=str)
+    key = lambda r: (r["pair"], r["alpha_config"], r.get("temperature"), r.get("draft_head_tokens"))  # noqa: E731
+    groups = sorted({key(r) for r in rows}, key=str)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for pair, alpha in groups:
-        sel = [r for r in rows if r["pair"] == pair and r["alpha_config"] == alpha and r["k"] != "adaptive"]
-        label = pair if alpha is None else f"{pair} a={alpha}"
+    for pair, alpha, temperature, head in groups:
+        mine = [r for r in rows if key(r) == (pair, alpha, temperature, head)]
+        sel = [r for r in mine if r["k"] != "adaptive"]
+        label = (pair if alpha is None else f"{pair} a={alpha}") + (f" T={temperature:g}" if temperature else "") \
+            + (f" head {head}" if head else "")
         line, = ax1.plot([r["k"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"{label} measured")
         ax1.plot([r["k"] for r in sel], [r.get("predicted", float("nan")) for r in sel], "x--",
                  color=line.get_color(), label=f"{label} predicted")
-        adaptive = [r for r in rows if r["pair"] == pair and r["alpha_config"] == alpha and r["k"] == "adaptive"]
+        adaptive = [r for r in mine if r["k"] == "adaptive"]
         if adaptive:
             ax1.axhline(adaptive[0]["speedup"], color=line.get_color(), lw=0.8, ls=":")
         best = max(sel, key=lambda r: len(r["per_position"]))

@@ -64,6 +64,13 @@ class SpeculativeConfig(BaseModel):
     draft_sample_method: Literal["greedy", "probabilistic"] = Field(default="greedy", description=(
         "`greedy`: the draft proposes its argmax. `probabilistic`: it samples, and verification runs the full "
         "ratio test."))
+    # Tandem's extension (FR-Spec, engine/frequent_tokens.py): the draft's LM head computes only its N
+    # most frequent tokens' rows; the target verifies against its full distribution, so output stays
+    # exact. Off by default until it measures better on the default pair (benchmarks/spec_bench.py).
+    draft_head_tokens: int | None = Field(default=None, ge=1, description=(
+        "Tandem's extension (FR-Spec): the draft's LM head scores only its N most frequent tokens (by its "
+        "tokenizer's merge ranks; special tokens and the base alphabet always), so a draft step reads fewer "
+        "weights. Lossless: the target verifies against its full distribution. Unset: the whole vocabulary."))
     # Tandem's extension: choose each request's K per step in [0, num_speculative_tokens] from
     # measured costs and its running acceptance (engine/adaptive.py); 0 is plain decoding.
     adaptive: bool = Field(default=False, description=(

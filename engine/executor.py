@@ -29,6 +29,7 @@ from engine.proposer import DraftModelProposer
 from engine.grammar_masks import GrammarMasks
 from engine.models.loading import eos_token_ids, load_config, load_tokenizer, resolve_model
 from engine.step import AheadBatch, DraftBatch, DraftOutput, Prefill, RequestGrammar, VerifyBatch, VerifyOutput
+from engine.frequent_tokens import restrict_head
 from engine.verifier import Verifier
 from engine.vocab_mapping import VocabMapping
 from engine.worker import ModelWorker
@@ -65,6 +66,8 @@ class GroupRank:
                                   cpu_isa=config.cpu_isa)
         self.rank, self.group, self.config = rank, group, config
         self.grammars = self._grammars(config, target_vocab)  # in the target's tokens, on both groups
+        if role == "draft" and spec.draft_head_tokens:
+            restrict_head(self.worker.model, load_tokenizer(resolve_model(spec.model)), spec.draft_head_tokens)
         if role == "draft":
             self.proposer = DraftModelProposer(self.worker, spec, target_vocab, vocab_mapping, self.grammars)
         else:

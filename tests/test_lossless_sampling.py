@@ -36,6 +36,20 @@ def test_first_two_tokens_follow_target(plain, temperature, draft_sample_method,
     assert 0.0 < stats.acceptance_rate < 1.0  # both branches (accept, recover) were exercised
 
 
+def test_a_draft_head_of_frequent_tokens_stays_lossless(plain):
+    """FR-Spec: the draft samples from 20 of its 48 tokens (q renormalised over them); the target's
+    distribution still comes out, including the tokens the draft can never propose."""
+    llm = LLM(model=TARGET, max_num_seqs=64, seed=1,
+              speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "draft_head_tokens": 20,
+                                  "draft_sample_method": "probabilistic"})
+    params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=s) for s in range(N)]
+    outs = llm.generate([PROMPT] * N, params)
+    p1, p2 = exact_first_two(plain, plain.get_tokenizer().encode(PROMPT), 1.0)
+    assert chi_squared_pvalue([o.outputs[0].token_ids[0] for o in outs], p1) > ALPHA
+    assert chi_squared_pvalue([o.outputs[0].token_ids[1] for o in outs], p2) > ALPHA
+    assert 0.0 < llm.spec_decode_stats.acceptance_rate < 1.0
+
+
 def test_chi_squared_detects_a_wrong_distribution(plain):
     """Guard: the same check rejects samples from the draft model instead of the target."""
     draft = LLM(model=DRAFT, max_num_seqs=64)

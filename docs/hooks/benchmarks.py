@@ -652,6 +652,18 @@ SPECS: dict[str, Spec] = {
         ("measured / predicted", lambda r: pct(r["speedup"] / r["predicted"]) if r.get("predicted") else ""),
         ("mean K", lambda r: f"{r['mean_k']:.1f}"),
     ], per_machine=True),
+    "spec_bench_qwen-coder_chat": Spec([
+        ("temperature", lambda r: f"{r['temperature']:g}"),
+        ("K", lambda r: str(r["k"])),
+        ("draft head", lambda r: f"{r['draft_head_tokens']:,} tokens" if r.get("draft_head_tokens") else "whole"),
+        ("acceptance", lambda r: f"{r['acceptance_rate']:.2f}"),
+        ("mean length", lambda r: f"{r['mean_acceptance_length']:.2f}"),
+        ("c", lambda r: f"{r['c']:.2f}" if "c" in r else ""),
+        ("plain tok/s", lambda r: num(r["plain_tok_s"])),
+        ("speedup", lambda r: f"**{ratio(r['speedup'])}**"),
+        ("predicted", lambda r: f"{r['predicted']:.2f}" if r.get("predicted") else ""),
+        ("measured / predicted", lambda r: pct(r["speedup"] / r["predicted"]) if r.get("predicted") else ""),
+    ], per_machine=True),
     "pard_bench": Spec([
         ("a", lambda r: str(r["alpha"])),
         ("K", lambda r: str(r["k"])),

@@ -56,6 +56,9 @@ class BlockWeight:
     def rows(self, start: int, stop: int) -> "BlockWeight":
         return BlockWeight(self.q[start:stop].clone(), self.scale_offset[start:stop].clone(), self.group)
 
+    def take(self, rows: Tensor) -> "BlockWeight":
+        return BlockWeight(self.q[rows], self.scale_offset[rows], self.group)
+
     def cols(self, start: int, stop: int) -> "BlockWeight":
         if start % self.group or stop % self.group:
             raise ValueError(f"columns {start}:{stop} cut through blocks of {self.group}")
@@ -108,9 +111,19 @@ class PackedBlocks:
         if hi - lo <= 15:
             nibbles = (q.to(torch.int16) - lo).to(torch.uint8)
             q, zero = nibbles[..., :16] | (nibbles[..., 16:] << 4), lo
-        pad = -n % NR
+        return PackedBlocks._of_rows(q, so, zero)
+
+    @staticmethod
+    def _of_rows(q: Tensor, so: Tensor, zero: int) -> "PackedBlocks":
+        """From row-major q [N, K / 32, bytes] and pairs [N, K / group, 2 or 1]: padded, interleaved."""
+        n, pad = q.shape[0], -q.shape[0] % NR
         q, so = (torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in (q, so))
         return PackedBlocks(_interleave(q), _interleave(so), zero, n)
+
+    def take(self, rows: Tensor) -> "PackedBlocks":
+        """These rows only, in this order (a restricted LM head), bytes unchanged."""
+        return PackedBlocks._of_rows(self.q[rows // NR, :, rows % NR], self.scale_offset[rows // NR, :, rows % NR],
+                                     self.zero)
 
     @property
     def four_bit(self) -> bool:
@@ -164,18 +177,27 @@ class Int8Blocks:
             raise ValueError(f"blocks of {k} columns: the int8 kernel reads multiples of 32")
         lo, hi = int(w.q.min()), int(w.q.max())
         u = (w.q.to(torch.int16) - lo).to(torch.uint8)
-        so = _narrow_pairs(w.scale_offset)
-        pad = -n % TILE
-        u, so = (torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in (u, so))
-        tiles = u.shape[0] // TILE
         if hi - lo <= 15:
-            u = u.view(tiles, TILE, k // 8, 2, 4)
+            u = u.view(n, k // 8, 2, 4)
             u = u[..., 0, :] | (u[..., 1, :] << 4)
         else:
-            u = u.view(tiles, TILE, k // 4, 4)
-        u = u.transpose(1, 2).contiguous()
-        dm = so.view(tiles, TILE, so.shape[1], so.shape[2]).permute(0, 2, 3, 1).contiguous()
-        return Int8Blocks(u, dm, lo, n, k, max_code=hi - lo)
+            u = u.view(n, k // 4, 4)
+        return Int8Blocks._of_rows(u, _narrow_pairs(w.scale_offset), lo, k, hi - lo)
+
+    @staticmethod
+    def _of_rows(u: Tensor, dm: Tensor, lo: int, cols: int, max_code: int) -> "Int8Blocks":
+        """From row-major u [N, K / 4 or K / 8, 4] and pairs [N, K / G, 2 or 1]: padded, tiled."""
+        n, pad = u.shape[0], -u.shape[0] % TILE
+        u, dm = (torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in (u, dm))
+        tiles = u.shape[0] // TILE
+        u = u.view(tiles, TILE, *u.shape[1:]).transpose(1, 2).contiguous()
+        dm = dm.view(tiles, TILE, *dm.shape[1:]).permute(0, 2, 3, 1).contiguous()
+        return Int8Blocks(u, dm, lo, n, cols, max_code=max_code)
+
+    def take(self, rows: Tensor) -> "Int8Blocks":
+        """These rows only, in this order (a restricted LM head), bytes unchanged."""
+        return Int8Blocks._of_rows(self.u[rows // TILE, :, rows % TILE], self.dm[rows // TILE, :, :, rows % TILE],
+                                   self.lo, self.cols, self.max_code)
 
     @property
     def four_bit(self) -> bool:

@@ -122,6 +122,20 @@ def dense(layer: nn.Module) -> nn.Linear:
     return layer if type(layer) is nn.Linear else layer.dense()
 
 
+def take_rows(layer: nn.Module, rows: Tensor) -> nn.Module:
+    """The same linear computing only these output rows, in its own weight form: the same bytes,
+    and on our kernels the same results bit for bit (each output row is computed on its own;
+    PyTorch's and oneDNN's GEMMs agree to rounding)."""
+    bias = None if layer.bias is None else layer.bias[rows.to(layer.bias.device)]
+    if isinstance(layer, BlockLinear):
+        out = BlockLinear(layer.blocks.take(rows.cpu()), bias)
+        out.kernels = layer.kernels
+        return out
+    weight = dense(layer).weight.detach()
+    sub = dense_linear(weight[rows.to(weight.device)].contiguous(), bias)
+    return PackedLinear(sub, layer.kernels, keep_dense=False) if isinstance(layer, PackedLinear) else sub
+
+
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
