@@ -218,11 +218,13 @@ def serve_key(row: dict) -> tuple:
 def headline_rows(_data=None) -> list[dict]:
     """One record per machine and isa: llamacpp_bench's row (machines recorded) and serve_vs_llama's."""
     llama = [r for r in load("llamacpp_bench") if r.get("cpu", "not recorded") != "not recorded"]
-    # the default app's rows where a machine has them (rows with a model), else the TLI app's
-    serve = {serve_key(r): r for r in sorted(load("serve_vs_llama"), key=lambda r: "model" in r)}
-    out = [{"cpu": r["cpu"], "isa": isa(r), "llama": r, "serve": serve.pop(serve_key(r), None)} for r in llama]
-    out += [{"cpu": k[0], "isa": k[1], "llama": None, "serve": r} for k, r in serve.items()]
-    return out
+    # per stream count, the default app's rows where a machine has them (rows with a model), else the TLI app's
+    served = sorted(load("serve_vs_llama"), key=lambda r: "model" in r)
+    serve = {n: {serve_key(r): r for r in served if r["concurrency"] == n} for n in (1, 8)}
+    keys = list(dict.fromkeys([serve_key(r) for r in llama] + [k for rows in serve.values() for k in rows]))
+    by_key = {serve_key(r): r for r in llama}
+    return [{"cpu": k[0], "isa": k[1], "llama": by_key.get(k), "serve": serve[8].get(k), "serve_1": serve[1].get(k)}
+            for k in keys]
 
 
 def serve_pair(m: dict) -> str:
@@ -239,9 +241,12 @@ def headline_cell(short: str) -> Callable:
     return cell
 
 
-def serve_ratio(h: dict) -> str:
-    s = h["serve"]
-    return f"**{ratio(s['tandem_over_llama'])}** ({s['date']})" if s else ""
+def serve_ratio(key: str) -> Callable:
+    def cell(h: dict) -> str:
+        s = h[key]
+        return f"**{ratio(s['tandem_over_llama'])}** ({s['date']})" if s else ""
+
+    return cell
 
 
 def stall(side: dict) -> dict:
@@ -481,7 +486,8 @@ SPECS: dict[str, Spec] = {
         ("TLI app", headline_cell("TLI app")),
         ("prefill pp512 SmolLM2", headline_cell("pp512 SmolLM2")),
         ("prefill pp512 Gemma", headline_cell("pp512 Gemma")),
-        ("8 streams over HTTP", serve_ratio),
+        ("1 stream over HTTP", serve_ratio("serve_1")),
+        ("8 streams over HTTP", serve_ratio("serve")),
     ], rows=headline_rows),
     "llamacpp_bench": Spec([
         ("rounds", lambda m: str(m["rounds"])),
