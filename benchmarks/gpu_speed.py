@@ -10,6 +10,8 @@ semantics (`rejection_sample_method: synthetic`, `synthetic_acceptance_length`: 
 tokens a verify step emits). Greedy, one stream, `ignore_eos`. Prints one table and writes
 benchmarks/results/gpu_speed.json (one row per device).
 
+Each is measured eager (`enforce_eager`) and compiled (a CUDA graph per batch bucket; on the CPU's dry
+run, inductor), one engine at a time, at batch 1, then compiled at batch 8 and 32.
 Columns: tokens/s with and without speculation and their ratio; the plain step's time against the
 time to read the target's weights once at the bandwidth a device-to-device copy measures (a decode
 step at batch 1 reads every weight once, so that is its floor); a verify step's time against the plain
@@ -61,16 +63,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_rate(llm: LLM, prompt: list[int], tokens: int, device: str) -> float:
-    """Output tokens per second of one greedy stream (after one warm-up request)."""
+def decode_rate(llm: LLM, prompt: list[int], tokens: int, device: str, streams: int = 1) -> float:
+    """Output tokens per second of `streams` greedy streams together (after a warm-up of the same batch,
+    which compiles and captures the step's shapes)."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    requests = [{"prompt_token_ids": prompt[i % 7:] + prompt[:i % 7]} for i in range(streams)]
+    llm.generate(requests, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     sync(device)
     t = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    outs = llm.generate(requests, params)
     sync(device)
-    assert len(out.token_ids) == tokens, f"expected {tokens} tokens, got {len(out.token_ids)}"
-    return tokens / (time.perf_counter() - t)
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs), "a stream stopped early"
+    return streams * tokens / (time.perf_counter() - t)
 
 
 def profile_decode(llm: LLM, prompt: list[int], device: str, out: Path, steps: int = 8) -> None:
@@ -106,44 +110,58 @@ def profile_decode(llm: LLM, prompt: list[int], device: str, out: Path, steps: i
 
 
 def run(models: dict, k: int, acceptance_length: float, tokens: int, prompt_len: int,
-        profile: Path | None = None) -> dict:
+        profile: Path | None = None, batches: tuple[int, ...] = (1, 8, 32)) -> dict:
+    """One row: plain and speculative decoding, eager and compiled (CUDA graphs on a GPU), at batch 1,
+    then compiled at each larger batch. One engine at a time on the device."""
     device, dtype = models["device"], getattr(torch, models["dtype"])
-    common = dict(dtype=models["dtype"], device=device, max_model_len=prompt_len + tokens + 64, seed=0)
-    # plain decoding first, then the same target with the draft: one engine at a time on the device
-    plain = LLM(models["target"], **common)
-    vocab = len(plain.get_tokenizer())
-    prompt = [(7 * i + 3) % (vocab - 3) + 3 for i in range(prompt_len)]  # past the special tokens
-    plain_tok_s = decode_rate(plain, prompt, tokens, device)
-    if profile:
-        profile_decode(plain, prompt, device, profile)
-    plain.shutdown()
-    del plain
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    spec = LLM(models["target"], speculative_config={
-        "model": models["draft"], "num_speculative_tokens": k, "method": "draft_model",
-        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": acceptance_length}, **common)
-    spec_tok_s = decode_rate(spec, prompt, tokens, device)
-    stats = spec.spec_decode_stats
-    spec.shutdown()
+    common = dict(dtype=models["dtype"], device=device, max_model_len=prompt_len + tokens + 64, seed=0,
+                  max_num_seqs=max(batches))
+    spec_config = {"model": models["draft"], "num_speculative_tokens": k, "method": "draft_model",
+                   "rejection_sample_method": "synthetic", "synthetic_acceptance_length": acceptance_length}
+    rates, acceptance = {}, {}
+    prompt = None
+    for eager in (True, False):
+        for spec in (False, True):
+            llm = LLM(models["target"], speculative_config=spec_config if spec else None, enforce_eager=eager, **common)
+            if prompt is None:
+                vocab = len(llm.get_tokenizer())
+                prompt = [(7 * i + 3) % (vocab - 3) + 3 for i in range(prompt_len)]  # past the special tokens
+            for b in (1,) if eager else batches:
+                rates[eager, spec, b] = decode_rate(llm, prompt, tokens, device, b)
+                if spec:
+                    acceptance[eager, b] = llm.spec_decode_stats.mean_acceptance_length
+            if profile and not spec and not eager:
+                profile_decode(llm, prompt, device, profile)
+            llm.shutdown()
+            del llm
+            if device == "cuda":
+                torch.cuda.empty_cache()
     target_bytes = weight_bytes(models["target"], dtype)
     bandwidth = copy_bandwidth(device, min(2**30, 4 * target_bytes))
-    step_s = 1 / plain_tok_s
-    # a speculative round: K draft steps and one verify, emitting the mean acceptance length
-    round_s = stats.mean_acceptance_length / spec_tok_s
-    return {
+    floor_s = target_bytes / bandwidth
+    plain, fast = rates[False, False, 1], rates[False, True, 1]
+    row = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
         "date": time.strftime("%Y-%m-%d"),
         "target": models["target"], "draft": models["draft"], "dtype": models["dtype"],
         "k": k, "synthetic_acceptance_length": acceptance_length, "tokens": tokens, "prompt_tokens": prompt_len,
-        "plain_tok_s": round(plain_tok_s, 2), "spec_tok_s": round(spec_tok_s, 2),
-        "speedup": round(spec_tok_s / plain_tok_s, 3),
-        "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+        "plain_tok_s": round(plain, 2), "spec_tok_s": round(fast, 2), "speedup": round(fast / plain, 3),
+        "plain_eager_tok_s": round(rates[True, False, 1], 2), "spec_eager_tok_s": round(rates[True, True, 1], 2),
+        "eager_speedup": round(rates[True, True, 1] / rates[True, False, 1], 3),
+        "compiled_over_eager": round(plain / rates[True, False, 1], 3),
+        "mean_acceptance_length": round(acceptance[False, 1], 3),
         "target_weight_gb": round(target_bytes / 1e9, 3), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "plain_step_ms": round(1e3 * step_s, 3), "roofline_step_ms": round(1e3 * target_bytes / bandwidth, 3),
-        "roofline_fraction": round(target_bytes / bandwidth / step_s, 3),
-        "spec_round_ms": round(1e3 * round_s, 3),
+        "plain_step_ms": round(1e3 / plain, 3), "plain_eager_step_ms": round(1e3 / rates[True, False, 1], 3),
+        "roofline_step_ms": round(1e3 * floor_s, 3),
+        "roofline_fraction": round(floor_s * plain, 3),
+        # a speculative round: K draft steps and one verify, emitting the mean acceptance length
+        "spec_round_ms": round(1e3 * acceptance[False, 1] / fast, 3),
     }
+    for b in batches[1:]:  # compiled: tokens/s of b streams, plain and speculative
+        row[f"batch{b}_plain_tok_s"] = round(rates[False, False, b], 1)
+        row[f"batch{b}_spec_tok_s"] = round(rates[False, True, b], 1)
+        row[f"batch{b}_speedup"] = round(rates[False, True, b] / rates[False, False, b], 3)
+    return row
 
 
 def main() -> None:
@@ -153,6 +171,8 @@ def main() -> None:
     p.add_argument("--acceptance-length", type=float, default=3.0, help="synthetic_acceptance_length, in [1, K+1]")
     p.add_argument("--tokens", type=int, default=None, help="output tokens per stream (default 256; dry run 32)")
     p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="batch sizes (streams) of the compiled rows; the first is 1 (default 1 8 32; dry run 1 4)")
     p.add_argument("--profile", type=Path, default=None, help="also profile a few plain decode steps into this file")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default benchmarks/results/gpu_speed.json; "
                    "a dry run writes none unless given)")
@@ -161,7 +181,7 @@ def main() -> None:
     if not a.dry_run:
         assert torch.cuda.is_available(), "no CUDA device: use --dry-run on a machine without a GPU"
     row = run(models, a.k, a.acceptance_length, a.tokens or (32 if a.dry_run else 256), a.prompt_tokens,
-              a.profile)
+              a.profile, tuple(a.batches or ((1, 4) if a.dry_run else (1, 8, 32))))
     width = max(map(len, row))
     for key, value in row.items():
         print(f"{key:<{width}}  {value}")

@@ -47,6 +47,7 @@ class ServeArgs(BaseModel):
     rank_threads: int | None = None  # torch threads per rank
     placement_timeout_s: float | None = None  # how long the groups' placement waits for room (120)
     omp_spin_count: int | None = None  # GOMP_SPINCOUNT of the rank processes (30000)
+    enforce_eager: bool | None = None  # EngineConfig's: False compiles the steps (unset: CUDA graphs on a GPU)
     # The key: the CLI's --api-key (never from a YAML: Ray logs an application's args), an
     # environment variable's name, or a file. Unset: $TANDEM_API_KEY when that is set, else open.
     api_key: SecretStr | None = Field(default=None, description=(
@@ -125,7 +126,8 @@ class ServeArgs(BaseModel):
         return value
 
     def engine_config(self) -> EngineConfig:
-        knobs = {k: getattr(self, k) for k in ("cpu_kernels", "cpu_isa", "rank_threads", "placement_timeout_s", "omp_spin_count")
+        knobs = {k: getattr(self, k) for k in ("cpu_kernels", "cpu_isa", "rank_threads", "placement_timeout_s", "omp_spin_count",
+                                               "enforce_eager")
                  if getattr(self, k) is not None}
         return EngineConfig(**knobs, model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                             max_model_len=self.max_model_len, tensor_parallel_size=self.tensor_parallel_size,

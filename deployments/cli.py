@@ -74,6 +74,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: our C++ kernels for small-row linears, decode layers and grammar masks (default on; "
                         "--no-cpu-kernels: oneDNN and PyTorch for everything)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="eager PyTorch steps; --no-enforce-eager compiles decode and verify steps whole (default: "
+                        "CUDA graphs on a GPU, eager on a CPU)")
     p.add_argument("--cpu-isa", default=None, choices=list(CPU_ISA_CHOICES),
                    help="CPU: which build of our kernels (default auto: the best this CPU runs; a name forces one, "
                         "e.g. avx2 on an AVX-512 machine; none = --no-cpu-kernels)")

@@ -269,6 +269,13 @@ class EngineConfig(BaseModel):
     cpu_isa: CpuIsa = Field(default="auto", description=(
         "CPU: which build of the kernels. `auto`: the best this CPU runs; a name forces one (refused where the "
         "CPU lacks it); `none`: the same as `cpu_kernels` false."))
+    # The decode / verify step compiled whole at static shapes (engine/models/compiled_step.py): on a GPU a
+    # CUDA graph per padded batch size, replayed each step (vLLM's default; its flag to turn it off has
+    # this name). Unset: compiled on a GPU, eager on a CPU (the CPU's fast path is the C++ decode layer).
+    # False on a CPU compiles the GPU's step with inductor and PyTorch's own linears (how the suite tests it).
+    enforce_eager: bool | None = Field(default=None, description=(
+        "False: decode and verify steps compiled whole (torch.compile, static shapes; on a GPU, CUDA graphs per "
+        "batch size). True: eager PyTorch. Unset: compiled on a GPU, eager on a CPU (its C++ kernels)."))
     # CPU only: torch threads per rank. Unset: the node's cores over the ranks of one group (the
     # groups take turns on the same cores). Set it where other work shares the node (several
     # replicas on one node: each would otherwise take every core).
@@ -353,6 +360,12 @@ class EngineConfig(BaseModel):
         if spec is None or spec.draft_tensor_parallel_size is None:
             return self.tensor_parallel_size  # inherited from the target, as in vLLM
         return spec.draft_tensor_parallel_size
+
+    def compiled_step(self) -> bool:
+        """Whether decode and verify steps run compiled (enforce_eager, resolved)."""
+        if self.enforce_eager is not None:
+            return not self.enforce_eager
+        return self.resolved_device() == "cuda"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

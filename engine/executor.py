@@ -63,7 +63,7 @@ class GroupRank:
         self.worker = ModelWorker(resolve_model(name), None, config.block_size, config.torch_dtype(),
                                   device, rng_stream=role, rank=rank, world=world, group=group,
                                   gguf_weights=config.gguf_weights, cpu_kernels=config.cpu_kernels,
-                                  cpu_isa=config.cpu_isa)
+                                  cpu_isa=config.cpu_isa, compiled=config.compiled_step())
         self.rank, self.group, self.config = rank, group, config
         self.grammars = self._grammars(config, target_vocab)  # in the target's tokens, on both groups
         if role == "draft" and spec.draft_head_tokens:
@@ -103,9 +103,9 @@ class GroupRank:
                                       config.kv_cache_memory_bytes)
         return DeviceMemory(sum(w.block_bytes() for w in workers), budget, sum(w.weight_bytes() for w in workers), where)
 
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int, max_model_len: int | None = None) -> None:
         for worker in self._workers():
-            worker.allocate_cache(num_blocks)
+            worker.allocate_cache(num_blocks, max_model_len)
 
     def add_request(self, request_id: str, seed: int, grammar: RequestGrammar | None = None) -> None:
         self.worker.add_request(request_id, seed)
@@ -292,7 +292,7 @@ class LocalExecutor(RunsPlans):
         self.num_blocks = plan_blocks([joint], config.block_size, max_model_len, config.resolved_max_num_seqs(),
                                       config.gpu_memory_utilization)
         for r in self._ranks():
-            r.allocate(self.num_blocks)
+            r.allocate(self.num_blocks, max_model_len)
         self.ragged_rows = self.target.ragged_rows()
         self._ahead = None  # the last step's draft-ahead blocks (whole: the next verify reads them)
 
@@ -460,7 +460,7 @@ class RayExecutor(RunsPlans):
             self.shutdown()
             raise
         self.num_blocks = getattr(self, "num_blocks", blocks)
-        self._get([r.allocate.remote(self.num_blocks) for r in devices])
+        self._get([r.allocate.remote(self.num_blocks, self.max_model_len) for r in devices])
         self.ragged_rows = all(self._get([r.ragged_rows.remote() for r in self.target]))
         log.info("model groups placed (%s): %s", config.placement_strategy,
                  "; ".join(f"{role} ranks on {', '.join(ips)}" for role, ips in self.nodes().items()))

@@ -19,18 +19,22 @@ from torch import Tensor
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
-        if torch.device(device).type == "cpu":
-            # anonymous memory: zero pages the OS maps on first write, so a large cache costs
-            # resident memory only for the blocks sequences have used
-            nbytes = max(1, torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size())
-            self._buffer = mmap.mmap(-1, nbytes)
-            data = torch.frombuffer(self._buffer, dtype=dtype).view(shape)
-        else:
-            data = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = [data[i, 0] for i in range(num_layers)]
-        self.v = [data[i, 1] for i in range(num_layers)]
+        # one tensor of its own per layer and per keys / values: no two alias (a compiled step mutates
+        # them, and torch.compile proves each write can't touch another's memory at no cost)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self._buffers = []
+        self.k = [self._allocate(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [self._allocate(shape, dtype, device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        # anonymous memory: zero pages the OS maps on first write, so a large cache costs
+        # resident memory only for the blocks sequences have used
+        nbytes = max(1, torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size())
+        self._buffers.append(mmap.mmap(-1, nbytes))
+        return torch.frombuffer(self._buffers[-1], dtype=dtype).view(shape)
 
     def update(self, layer: int, tables: Tensor, positions: Tensor, k: Tensor, v: Tensor,
                key_len: int, read: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from engine.kv_cache import KVCache
+from engine.models.compiled_step import CompiledStep
 from engine.models.gguf_blocks import read_block_weights
 from engine.models.linear import pack_linears, use_blocks
 from engine.models.loading import ModelSource, build_model, load_sharded, load_state_dict
@@ -39,10 +40,15 @@ class ModelWorker:
     def __init__(self, source: ModelSource, num_blocks: int | None, block_size: int, dtype: torch.dtype,
                  device: str = "cpu", rng_stream: str = "target", pack: bool = True,
                  rank: int = 0, world: int = 1, group=None, gguf_weights: str = "int8", cpu_kernels: bool = True,
-                 cpu_isa: str = "auto"):
+                 cpu_isa: str = "auto", compiled: bool = False):
         """gguf_weights, cpu_kernels, cpu_isa: EngineConfig's (cpu_kernels False or cpu_isa "none": no C++
         kernel, every linear on oneDNN, GGUF tensors as float32; where this machine runs none of the
-        kernels' targets, the same by itself)."""
+        kernels' targets, the same by itself). compiled: decode and verify steps compiled whole
+        (EngineConfig.compiled_step; engine/models/compiled_step.py): on a CPU the model keeps PyTorch's
+        own float32 linears, which torch.compile traces, instead of our kernels'."""
+        self.compiled = compiled and world == 1  # tensor-parallel steps all-reduce between ops: eager
+        if self.compiled and device == "cpu":
+            cpu_kernels = False
         kernels = cpu_kernels_lib.select(cpu_isa if cpu_kernels else "none") if device == "cpu" else None
         self.kernels = kernels
         if source.kind == "hf_dir":  # each rank reads only its slices
@@ -61,13 +67,14 @@ class ModelWorker:
             self.model = shard(model, rank, world, group)
         if pack:
             self.model.fuse_projections()
-            if device == "cpu" and dtype == torch.float32:
+            if device == "cpu" and dtype == torch.float32 and not self.compiled:
                 pack_linears(self.model, kernels, int8=kernels is not None and gguf_weights == "int8")
         _return_freed_memory()
         self.args = self.model.args
         self.hf_config = config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.cache = None
+        self.step: CompiledStep | None = None  # with the cache
         if num_blocks is not None:  # else allocate_cache, once the engine knows how many fit
             self.allocate_cache(num_blocks)
         self.rng_stream = rng_stream  # target and draft draw from independent streams
@@ -87,11 +94,17 @@ class ModelWorker:
                 tensors[id(blocks)] = blocks.nbytes  # a tied LM head shares its embedding's
         return sum(tensors.values())
 
-    def allocate_cache(self, num_blocks: int) -> None:
-        self.cache = None  # the old one first: a restart may replace it
+    def allocate_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        """The KV cache, and with it the compiled step (whose graphs read this cache). max_model_len:
+        the widest block table a step can have (unset: every block)."""
+        self.cache = self.step = None  # the old ones first: a restart may replace them
         local_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.cache = KVCache(self.args.num_layers, num_blocks, self.block_size, local_kv_heads,
                              self.args.head_dim, self.dtype, self.device)
+        if self.compiled:
+            max_blocks = num_blocks - 1 if max_model_len is None else -(-max_model_len // self.block_size)
+            self.step = CompiledStep(self.model, self.cache, max_blocks, SMALL_QUERY_ROWS,
+                                     cuda_graphs=self.device == "cuda")
 
     @property
     def vocab_size(self) -> int:
@@ -150,6 +163,13 @@ class ModelWorker:
         # padding continues the row's positions; its table is padded with the null block to cover them
         positions = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(T)[None, :]
         table = self._table_tensor(tables, max(starts) + T)
+        if logits and self.step is not None and self.step.takes(B, T):
+            out = self.step.step(ids, positions.to(dev), table.to(dev))  # [B, T, V]
+            if not last_only:
+                return out
+            if all(n == T for n in lengths):
+                return out[:, T - 1:]
+            return out.gather(1, torch.tensor(lengths, device=dev)[:, None, None].sub(1).expand(-1, 1, out.shape[-1]))
         logit_index = torch.tensor([[n - 1] for n in lengths]).to(dev) if last_only else None
         if not logits:
             logit_index = torch.zeros(B, 0, dtype=torch.long, device=dev)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run (< 10 min): the `cuda` tests (tests/test_cuda.py), then one speed row
-# (benchmarks/gpu_speed.py: a Qwen3-8B-shaped target and a Qwen3-0.6B-shaped draft, random bf16 weights,
+# The GPU checks, in one run (< 8 min): the `cuda` tests (tests/test_cuda.py), then one speed row
+# (benchmarks/gpu_speed.py, eager and CUDA graphs side by side, batch 1, 8 and 32: a Qwen3-8B-shaped target and a Qwen3-0.6B-shaped draft, random bf16 weights,
 # synthetic acceptance; speculation against plain decoding, and the step against the memory roofline).
 #
 #   bash scripts/gpu_check.sh             # on the device machine, through the session's `device` tool
@@ -33,8 +33,8 @@ PY
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 export PYTHONUNBUFFERED=1
-timeout 300 "$py" -m pytest -q -m cuda -p no:cacheprovider -rs --durations=8 tests/test_cuda.py "$@" || status=$?
+timeout 180 "$py" -m pytest -q -m cuda -p no:cacheprovider -rs --durations=8 tests/test_cuda.py "$@" || status=$?
 # the speed row runs even when a test failed: the device time is short, and both results matter
-timeout 200 "$py" benchmarks/gpu_speed.py ${OUT:+--profile "$OUT/gpu_profile.txt"} || status=$?
+timeout 280 "$py" benchmarks/gpu_speed.py ${OUT:+--profile "$OUT/gpu_profile.txt"} || status=$?
 if [ -n "${OUT:-}" ] && [ -f benchmarks/results/gpu_speed.json ]; then cp benchmarks/results/gpu_speed.json "$OUT/"; fi
 exit $status

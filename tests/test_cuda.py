@@ -130,3 +130,16 @@ def test_the_paged_cache_on_the_gpu_hits_prefixes_and_preempts_without_changing_
     assert small.core.scheduler.target_kv.counters.preemptions > 0
     assert [o.outputs[0].token_ids for o in roomy.generate(prompts[:2], greedy)] == want[:2]
     assert roomy.core.scheduler.target_kv.counters.hits > 0
+
+
+def test_cuda_graphs_give_the_eager_tokens():
+    """The default on a GPU: decode and verify steps compiled and replayed as a CUDA graph per padded
+    batch; enforce_eager runs PyTorch op by op. Greedy tokens equal, with speculation and without."""
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    eager = [o.outputs[0].token_ids for o in cuda_llm(enforce_eager=True).generate(PROMPTS, greedy)]
+    graphs = cuda_llm({})
+    assert [o.outputs[0].token_ids for o in graphs.generate(PROMPTS, greedy)] == eager
+    for rank in (graphs.core.executor.target, graphs.core.executor.draft):
+        step = rank.worker.step
+        assert step is not None and step.cuda_graphs and all(s.graph is not None for s in step.shapes.values())
+    assert cuda_llm(enforce_eager=True).core.executor.target.worker.step is None

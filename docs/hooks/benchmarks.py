@@ -586,9 +586,14 @@ SPECS: dict[str, Spec] = {
         ("date", lambda r: r["date"]),
         ("target / draft", lambda r: f"`{r['target']}` / `{r['draft']}`, {r['dtype']}"),
         ("K, acceptance length", lambda r: f"{r['k']}, {r['mean_acceptance_length']:.2f}"),
+        ("step", lambda r: "compiled, CUDA graphs" if "plain_eager_tok_s" in r else "eager (before graphs)"),
         ("plain tok/s", lambda r: num(r["plain_tok_s"])),
         ("speculative tok/s", lambda r: num(r["spec_tok_s"])),
         ("speculative / plain", lambda r: ratio(r["speedup"])),
+        ("eager: plain, speculative tok/s", lambda r: f"{num(r['plain_eager_tok_s'])}, {num(r['spec_eager_tok_s'])}"
+                                                       if "plain_eager_tok_s" in r else "-"),
+        ("batch 8 / 32: speculative / plain", lambda r: f"{ratio(r['batch8_speedup'])} / {ratio(r['batch32_speedup'])}"
+                                                         if "batch32_speedup" in r else "-"),
         ("plain step ms", lambda r: num(r["plain_step_ms"])),
         ("weights at copy bandwidth ms", lambda r: f"{num(r['roofline_step_ms'])} ({pct(r['roofline_fraction'])})"),
         ("speculative round ms", lambda r: num(r["spec_round_ms"])),

@@ -11,7 +11,6 @@ kernel so does every forward, prefill chunks too; on GPUs and in bfloat16, PyTor
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -313,8 +312,11 @@ class ForwardContext:
     """What every layer of one forward call shares: block tables, positions, masks, rotary tables."""
 
     def __init__(self, args: ModelArgs, cache, tables: Tensor, positions: Tensor, dtype: torch.dtype,
-                 cpu_kernels=None):
+                 cpu_kernels=None, static: bool = False):
         self.cache, self.tables, self.positions = cache, tables, positions  # tables [B, blocks], positions [B, T]
+        # static: no host read of a tensor's value (a compiled step's graph): the keys span the tables'
+        # whole width, the masks hide what lies past each query, sliding windows included
+        self.static = static
         self.cpu_kernels = cpu_kernels  # the engine.kernels.Kernels this forward runs its ops on, or None
         self.cpp_layers = False  # each layer as its C++ call, where built (decode and verify steps; any step on int8)
         self.row_seqs: Tensor | None = None  # ragged rows: each token's row of `tables` (positions [1, N])
@@ -322,6 +324,8 @@ class ForwardContext:
         self._global_mask: Tensor | None = None
         self._window_masks: dict[int, Tensor] = {}
         self._lowest: int | None = None
+        self._key_len: int | None = None
+        self._read_blocks: Tensor | None = None
         self.rope = {}
         for kind, freq in args.rope_inv_freq.items():
             inv = torch.tensor(freq, dtype=torch.float32, device=positions.device)
@@ -330,14 +334,20 @@ class ForwardContext:
             s = args.rope_scaling[kind]
             self.rope[kind] = ((emb.cos() * s).to(dtype), (emb.sin() * s).to(dtype))
 
-    # read_blocks, key_len and the masks: on first use (the C++ decode layers need none of them)
-    @functools.cached_property
+    # read_blocks, key_len and the masks: on first use (the C++ decode layers need none of them); plain
+    # attributes, not functools.cached_property, whose lock torch.compile can't trace
+    @property
     def read_blocks(self) -> Tensor:
-        return self.cache.read_blocks(self.tables, self.key_len)
+        if self._read_blocks is None:
+            self._read_blocks = self.cache.read_blocks(self.tables, self.key_len)
+        return self._read_blocks
 
-    @functools.cached_property
+    @property
     def key_len(self) -> int:
-        return int(self.positions.max()) + 1
+        if self._key_len is None:
+            self._key_len = (self.tables.shape[1] * self.cache.block_size if self.static
+                             else int(self.positions.max()) + 1)
+        return self._key_len
 
     @property
     def global_mask(self) -> Tensor:
@@ -351,6 +361,8 @@ class ForwardContext:
     def window_start(self, window: int) -> int:
         """The first key position any query of this forward sees through a sliding window (a long
         prompt's later chunks attend to a window's keys in these layers, not to the whole prefix)."""
+        if self.static:
+            return 0
         if self._lowest is None:
             self._lowest = int(self.positions.min())
         return max(0, self._lowest - window + 1)
@@ -434,11 +446,14 @@ class Transformer(nn.Module):
         return True
 
     def forward(self, tokens: Tensor, positions: Tensor, cache, tables: Tensor,
-                logit_index: Tensor | None = None, row_seqs: Tensor | None = None) -> Tensor:
+                logit_index: Tensor | None = None, row_seqs: Tensor | None = None, static: bool = False) -> Tensor:
         """tokens, positions: [B, T]; tables: [B, blocks] each row's block table (covering its
         positions); logit_index: [B, L] rows of T to return logits for. Ragged rows (where
         layers_take_any_rows): tokens, positions [1, N], the sequences' tokens one after another,
         row_seqs [N] each token's row of tables [S, blocks].
+
+        static: the forward of a compiled step (engine/models/compiled_step.py): keys over the tables'
+        whole width, no host read, PyTorch ops only.
 
         Returns float32 logits [B, L, V] (L = T when logit_index is None).
         """
@@ -446,9 +461,10 @@ class Transformer(nn.Module):
         x = m.embed_tokens(tokens)
         if self.args.embed_scale != 1.0:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
-        on = self.cpu_kernels and self.kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
+        on = (self.cpu_kernels and self.kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
+              and not static)
         kernels = self.kernels if on else None
-        ctx = ForwardContext(self.args, cache, tables.contiguous(), positions.contiguous(), x.dtype, kernels)
+        ctx = ForwardContext(self.args, cache, tables.contiguous(), positions.contiguous(), x.dtype, kernels, static)
         B, T = tokens.shape
         ctx.cpp_layers = on and (self.layers_take_any_rows or T <= SMALL_QUERY_ROWS and B * T <= MAX_ROWS)
         if row_seqs is not None:
