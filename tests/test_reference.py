@@ -93,7 +93,7 @@ def test_serve_args_hand_every_engine_key_to_the_engine():
              "seed": 5, "device": "cpu", "placement_strategy": "SPREAD", "disjoint_cores": True,
              "gguf_weights": "blocks", "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 1000,
              "speculative_config": spec, "cpu_kernels": False, "cpu_isa": "avx2", "rank_threads": 2,
-             "placement_timeout_s": 5.0, "omp_spin_count": 1, "prefill_stall_ms": 250.0}
+             "placement_timeout_s": 5.0, "omp_spin_count": 1, "prefill_stall_ms": 250.0, "enforce_eager": True}
     assert set(given) == ENGINE & SERVE, "give this test a value for every shared key"
     config = ServeArgs.model_validate(given).engine_config()
     for key, value in given.items():
