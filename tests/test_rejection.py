@@ -3,10 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-import itertools
-
-from engine.rejection import (ahead_block_continues, recovered_distribution, verify_block, verify_greedy, verify_standard,
-                              verify_synthetic)
+from engine.rejection import (ahead_block_continues, block_sample, recovered_distribution, rejection_sample,
+                              synthetic_sample, verify_greedy, verify_standard, verify_synthetic)
 from engine.sampling import probs_from_logits
 from stats import ALPHA, chi_squared_pvalue
 
@@ -16,6 +14,17 @@ V = 12
 def dist(seed, temp=1.0):
     g = torch.Generator().manual_seed(seed)
     return probs_from_logits(torch.randn(1, V, generator=g) * 2, temp)[0]
+
+
+def _rows(sample, p: torch.Tensor, drafts: torch.Tensor, extra, gen: torch.Generator):
+    """One batched step of n identical rows: target distributions p [k+1, V] for every row, drafts
+    [n, k], `extra` the draft distributions [k, V] (or None, or synthetic rates)."""
+    n, k = drafts.shape
+    if isinstance(extra, torch.Tensor) and extra.dim() == 2:
+        extra = extra.repeat(n, 1)
+    tokens, accepted = sample(p.repeat(n, 1), drafts.reshape(-1), [k] * n, extra,
+                              torch.rand(n, max(k, 1), generator=gen), torch.rand(n, generator=gen))
+    return tokens, accepted
 
 
 def test_greedy_accepts_matching_prefix_then_argmax():
@@ -31,9 +40,9 @@ def test_standard_single_draft_output_is_target_distribution():
     """With any q, the first emitted token is distributed as p (accepted draft or recovered)."""
     p, q = dist(1), dist(2)
     gen = torch.Generator().manual_seed(0)
-    draws = torch.multinomial(q, 20000, replacement=True, generator=torch.Generator().manual_seed(1)).tolist()
-    first = [verify_standard(torch.stack([p, p]), [d], q[None], gen)[0] for d in draws]
-    assert chi_squared_pvalue(first, p.numpy()) > ALPHA
+    draws = torch.multinomial(q, 20000, replacement=True, generator=torch.Generator().manual_seed(1))
+    tokens, _ = _rows(rejection_sample, torch.stack([p, p]), draws[:, None], q[None], gen)
+    assert chi_squared_pvalue(tokens[:, 0].tolist(), p.numpy()) > ALPHA
 
 
 def test_standard_would_fail_if_recovered_came_from_p():
@@ -66,16 +75,18 @@ def test_standard_greedy_drafter_treats_q_as_one_hot():
     d = int(p.argmax())
     gen = torch.Generator().manual_seed(7)
     n = 20000
-    accepted = sum(len(verify_standard(torch.stack([p, p]), [d], None, gen)) == 2 for _ in range(n))
-    assert abs(accepted / n - float(p[d])) < 4 * (float(p[d]) * (1 - float(p[d])) / n) ** 0.5
+    _, accepted = _rows(rejection_sample, torch.stack([p, p]), torch.full((n, 1), d), None, gen)
+    rate = float(accepted.float().mean())
+    assert abs(rate - float(p[d])) < 4 * (float(p[d]) * (1 - float(p[d])) / n) ** 0.5
 
 
 def test_standard_bonus_token_from_last_position():
     p0 = torch.zeros(V); p0[2] = 1.0
     p1 = dist(6)
     gen = torch.Generator().manual_seed(0)
-    bonus = [verify_standard(torch.stack([p0, p1]), [2], None, gen)[1] for _ in range(20000)]
-    assert chi_squared_pvalue(bonus, p1.numpy()) > ALPHA
+    tokens, accepted = _rows(rejection_sample, torch.stack([p0, p1]), torch.full((20000, 1), 2), None, gen)
+    assert bool((accepted == 1).all())  # p0 is one-hot at the draft: always accepted, then the bonus
+    assert chi_squared_pvalue(tokens[:, 1].tolist(), p1.numpy()) > ALPHA
 
 
 def test_synthetic_acceptance_rates_are_unconditional():
@@ -83,10 +94,15 @@ def test_synthetic_acceptance_rates_are_unconditional():
     p = dist(8)
     gen = torch.Generator().manual_seed(0)
     rates = [0.8, 0.5, 0.5]
-    outs = [verify_synthetic(torch.stack([p] * 4), [0, 1, 2], rates, gen) for _ in range(20000)]
-    counts = np.bincount([len(o) - 1 for o in outs], minlength=4) / len(outs)
+    drafts = torch.tensor([0, 1, 2]).repeat(20000, 1)
+    tokens, accepted = _rows(synthetic_sample, torch.stack([p] * 4), drafts, torch.tensor(rates), gen)
+    counts = np.bincount(accepted.numpy(), minlength=4) / len(accepted)
     expected = np.array([0.2, 0.3, 0.0, 0.5])
     assert np.abs(counts - expected).max() < 0.02  # 20000 draws: 4 sigma is < 0.015
+    emitted = torch.arange(3)[None, :] < accepted[:, None]
+    assert bool((tokens[:, :3][emitted] == drafts[emitted]).all())
+    # the one-row wrapper the engine's references use draws from the same function
+    outs = [verify_synthetic(torch.stack([p] * 4), [0, 1, 2], rates, gen) for _ in range(200)]
     assert all(o[:-1] == [0, 1, 2][: len(o) - 1] for o in outs)
 
 
@@ -109,40 +125,40 @@ def test_top_k_top_p_temperature():
     assert sharp[0] > full[0]
 
 
-def _tree(seed: int, vocab: int, depth: int) -> dict:
-    """A distribution for every prefix up to `depth` tokens: a model small enough to enumerate."""
+def _tree(seed: int, vocab: int, depth: int) -> list[torch.Tensor]:
+    """A distribution for every prefix up to `depth` tokens, a model small enough to enumerate:
+    tree[n][code] is the distribution after the n-token prefix whose base-`vocab` digits are `code`."""
     gen = torch.Generator().manual_seed(seed)
-    return {pre: (torch.randn(vocab, generator=gen) * 1.5).softmax(-1)
-            for n in range(depth + 1) for pre in itertools.product(range(vocab), repeat=n)}
+    return [(torch.randn(vocab ** n, vocab, generator=gen) * 1.5).softmax(-1) for n in range(depth + 1)]
 
 
-def _first_two(method, k: int, n: int = 30000, vocab: int = 4):
-    """Run `method` on drafts sampled from the draft tree; return the first two output tokens
-    (completed from the target when only one came out) and the mean accepted length."""
+def _first_two(sample, k: int, n: int = 30000, vocab: int = 4):
+    """Run the batched `sample` on n rows of k drafts sampled from the draft tree, in one step; return
+    the p-value of the first two output tokens (completed from the target when only one came out)
+    against the target's joint distribution, and the mean accepted length."""
     P, Q = _tree(1, vocab, k + 1), _tree(2, vocab, k)
     gen = torch.Generator().manual_seed(0)
-    out, accepted = [], 0
-    for _ in range(n):
-        drafts, qs = [], []
-        for _ in range(k):
-            qs.append(Q[tuple(drafts)])
-            drafts.append(int(torch.multinomial(qs[-1], 1, generator=gen)))
-        ps = torch.stack([P[tuple(drafts[:j])] for j in range(k + 1)])
-        tokens = method(ps, drafts, torch.stack(qs), gen)
-        accepted += len(tokens) - 1
-        while len(tokens) < 2:
-            tokens.append(int(torch.multinomial(P[tuple(tokens)], 1, generator=gen)))
-        out.append(tokens[0] * vocab + tokens[1])
-    exact = np.array([float(P[()][a] * P[(a,)][b]) for a in range(vocab) for b in range(vocab)])
-    return chi_squared_pvalue(out, exact), accepted / n
+    drafts = torch.zeros(n, k, dtype=torch.long)
+    codes = [torch.zeros(n, dtype=torch.long)]  # codes[j]: each row's first j drafts as one number
+    for j in range(k):
+        drafts[:, j] = torch.multinomial(Q[j][codes[j]], 1, generator=gen)[:, 0]
+        codes.append(codes[j] * vocab + drafts[:, j])
+    p = torch.stack([P[j][codes[j]] for j in range(k + 1)], 1).reshape(n * (k + 1), vocab)
+    q = torch.stack([Q[j][codes[j]] for j in range(k)], 1).reshape(n * k, vocab)
+    uniforms, final = torch.rand(n, k, generator=gen), torch.rand(n, generator=gen)
+    tokens, accepted = sample(p, drafts.reshape(-1), [k] * n, q, uniforms, final)
+    first = tokens[:, 0]
+    second = torch.where(accepted > 0, tokens[:, 1], torch.multinomial(P[1][first], 1, generator=gen)[:, 0])
+    exact = (P[0][0][:, None] * P[1]).reshape(-1).numpy()  # P(a) P(b | a), cell a * vocab + b
+    return chi_squared_pvalue((first * vocab + second).tolist(), exact), float(accepted.float().mean())
 
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_block_verification_is_lossless_and_accepts_more(k):
     """The joint distribution of the first two tokens equals the target's (16 cells), and block
     verification accepts at least as many drafts as token-by-token verification on the same trees."""
-    p_block, acc_block = _first_two(verify_block, k)
-    p_std, acc_std = _first_two(verify_standard, k)
+    p_block, acc_block = _first_two(block_sample, k)
+    p_std, acc_std = _first_two(rejection_sample, k)
     assert p_block > ALPHA and p_std > ALPHA
     assert acc_block >= acc_std
 
