@@ -49,6 +49,7 @@ class _Shape:
     tokens: Tensor  # [B, T]
     positions: Tensor  # [B, T]
     tables: Tensor  # [B, W]
+    pad_positions: Tensor  # [B, T]: 0..T-1 in every row, what padded rows read (block 0, the null block)
     logits: Tensor | None = None  # [B, T, V], the graph's output (GPU)
     graph: "torch.cuda.CUDAGraph | None" = None
 
@@ -79,7 +80,7 @@ class CompiledStep:
         B, T = tokens.shape
         shape = self._shape(batch_bucket(B), T, table_bucket(tables.shape[1], self.max_blocks))
         shape.tokens.zero_()
-        shape.positions.copy_(torch.arange(T, device=shape.positions.device))  # padded rows: 0..T-1, in block 0
+        shape.positions.copy_(shape.pad_positions)
         shape.tables.zero_()
         shape.tokens[:B].copy_(tokens, non_blocking=True)
         shape.positions[:B].copy_(positions, non_blocking=True)
@@ -89,21 +90,14 @@ class CompiledStep:
         shape.graph.replay()
         return shape.logits[:B].clone()  # the next replay overwrites the graph's output
 
-    def capture(self, rows: int, tokens: int) -> None:
-        """Compile (and on a GPU capture) the widest table's shape for `rows` rows of `tokens` tokens
-        ahead of traffic; the other widths follow on first use."""
-        shape = self._shape(batch_bucket(rows), tokens, self.max_blocks)
-        if shape.graph is None:  # no graph to capture: compile it now
-            self.forward(shape.tokens, shape.positions, shape.tables)
-
     def _shape(self, B: int, T: int, W: int) -> _Shape:
         key = (B, T, W)
         if key in self.shapes:
             return self.shapes[key]
         dev = self.cache.k[0].device
-        shape = _Shape(torch.zeros(B, T, dtype=torch.long, device=dev),
-                       torch.arange(T, device=dev).repeat(B, 1),
-                       torch.zeros(B, W, dtype=torch.long, device=dev))
+        pad_positions = torch.arange(T, device=dev).repeat(B, 1)
+        shape = _Shape(torch.zeros(B, T, dtype=torch.long, device=dev), pad_positions.clone(),
+                       torch.zeros(B, W, dtype=torch.long, device=dev), pad_positions)
         t = time.perf_counter()
         if self.cuda_graphs:
             # warm up on a side stream (compilation, autotuning, lazy allocations), then capture
@@ -120,6 +114,7 @@ class CompiledStep:
             torch.cuda.synchronize()
             self.graph_bytes += torch.cuda.memory_reserved() - before
         log.debug("compiled step %s (batch, tokens, table blocks)%s in %.1f s", key,
-                  ", CUDA graph captured" if self.cuda_graphs else "", time.perf_counter() - t)
+                  f", CUDA graph captured ({self.graph_bytes / 2**20:.0f} MiB in the graphs' pool)"
+                  if self.cuda_graphs else "", time.perf_counter() - t)
         self.shapes[key] = shape
         return shape
