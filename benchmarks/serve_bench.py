@@ -368,10 +368,12 @@ def main() -> None:
                   f"paired by request: actors {q['tpot_ratio']:.2f}x in-process")
     from machine import cpu_model, save
 
-    row = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "paths": " ".join(paths),
+    spec = app_args.get("speculative_config") or {}
+    app = f"{model} <- {spec['model']}" if spec and args.url is None else model  # what serve_config.yaml served
+    row = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "paths": " ".join(paths), "model": app,
            "requests": args.num_requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
            **json.loads(json.dumps(results))}  # concurrency keys as the file holds them (strings)
-    print(f"wrote {save('serve_bench_vs_plain' if args.vs_plain else 'serve_bench', row, key=('cpu', 'paths'))}")
+    print(f"wrote {save('serve_bench_vs_plain' if args.vs_plain else 'serve_bench', row, key=('cpu', 'paths', 'model'))}")
 
 
 if __name__ == "__main__":

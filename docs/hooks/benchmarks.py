@@ -415,7 +415,7 @@ def struct_accept(row, b, key):
 
 
 SERVE_PATHS = {"http": "HTTP", "engine": "engine, Ray actors", "local": "engine, models in process"}
-SERVE_RUN_KEYS = {"cpu", "date", "paths", "requests", "max_tokens", "rounds", "acceptance", "paired",
+SERVE_RUN_KEYS = {"cpu", "date", "paths", "model", "requests", "max_tokens", "rounds", "acceptance", "paired",
                   "paired_engine_local"}
 
 
@@ -439,7 +439,8 @@ def serve_note(data: list) -> str:
                 f"; behind Ray actors {m['paired_engine_local'][c]['tpot_ratio']:.2f}x with the models in process"
                 if c in m.get("paired_engine_local", {}) else "") + " (medians paired by request)."
             for c, p in m.get("paired", {}).items())
-        lines.append(f"{machine(m['cpu'])}: acceptance rate {m['acceptance']['acceptance_rate']:.2f}, mean "
+        app = f" (`{m['model']}`)" if "model" in m else ""
+        lines.append(f"{machine(m['cpu'])}{app}: acceptance rate {m['acceptance']['acceptance_rate']:.2f}, mean "
                      f"acceptance length {m['acceptance']['mean_acceptance_length']:.2f}. {paired}".strip())
     return "Milliseconds. " + " ".join(lines)
 
@@ -756,6 +757,8 @@ SPECS: dict[str, Spec] = {
         ("tok/s", lambda r: num(r["output_throughput"])),
     ], note=serve_note, rows=serve_rows, per_machine=True),
     "serve_bench_vs_plain": Spec([
+        # rows from before the field: the default app was then the TLI pair
+        ("app", lambda r: f"`{r['_m']['model']}`" if "model" in r["_m"] else "Gemma 3 <- SmolLM2 (TLI)"),
         ("concurrency", lambda r: r["c"]),
         ("default app tok/s", lambda r: num(r["spec"]["output_throughput"])),
         ("plain tok/s", lambda r: num(r["plain"]["output_throughput"])),
