@@ -21,14 +21,17 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def choose_k(alpha: float, draft_cost: float, verify_cost: list[float], k_max: int,
-             step_overhead: float = 0.0, parallel: bool = False) -> int:
+             step_overhead: float = 0.0, parallel: bool = False, draft_overhead: float | None = None) -> int:
     """Best K in [0, k_max]; draft_cost = c, verify_cost[k] = v(k) (v(0) = 1), step_overhead = what
-    a step costs beyond its forwards (sampling, bookkeeping, transfers), all in target steps;
-    parallel: c is the one draft forward that proposes all K."""
+    a plain step costs beyond its forward (sampling, bookkeeping, transfers), draft_overhead = what a
+    drafting step costs beyond its forwards (also the draft group's call and its proposals' way to
+    the target; unset: step_overhead), all in target steps; parallel: c is the one draft forward that
+    proposes all K."""
+    extra = step_overhead if draft_overhead is None else draft_overhead
     best_k, best_rate = 0, 1.0 / (1.0 + step_overhead)
     for k in range(1, k_max + 1):
         drafting = draft_cost if parallel else k * draft_cost
-        rate = expected_tokens(alpha, k) / (drafting + verify_cost[k] + step_overhead)
+        rate = expected_tokens(alpha, k) / (drafting + verify_cost[k] + extra)
         if rate > best_rate * 1.02:  # a 2% margin keeps noise from flipping to speculation
             best_k, best_rate = k, rate
     return best_k
@@ -44,26 +47,39 @@ class CostModel:
     parallel: bool = False  # parallel drafting: a step's drafts cost one forward, whatever K
     draft_s: deque = field(default_factory=deque)  # one draft forward (batched)
     verify_s: list[deque] = field(default_factory=list)  # index k: a verify of k+1 tokens per row
-    overhead_s: deque = field(default_factory=deque)  # a step's wall time beyond its two forwards
+    # a step's wall time beyond its forwards, plain steps and drafting steps apart: a drafting step
+    # also calls the draft group and hands its proposals to the target (behind Ray actors on a CPU,
+    # milliseconds a step that one median over both kinds charged to plain decoding too)
+    plain_overhead_s: deque = field(default_factory=deque)
+    draft_overhead_s: deque = field(default_factory=deque)
 
     def __post_init__(self):
         self.draft_s = deque(maxlen=self.window)
         self.verify_s = [deque(maxlen=self.window) for _ in range(self.k_max + 1)]
-        self.overhead_s = deque(maxlen=self.window)
+        self.plain_overhead_s = deque(maxlen=self.window)
+        self.draft_overhead_s = deque(maxlen=self.window)
 
     def observe(self, num_drafts: int, propose_s: float, verify_s: float, step_s: float | None = None) -> None:
         if num_drafts > 0 and propose_s > 0:
             self.draft_s.append(propose_s if self.parallel else propose_s / num_drafts)
         self.verify_s[num_drafts].append(verify_s)
         if step_s is not None:
-            self.overhead_s.append(max(0.0, step_s - propose_s - verify_s))
+            (self.draft_overhead_s if num_drafts > 0 else self.plain_overhead_s).append(
+                max(0.0, step_s - propose_s - verify_s))
 
-    def step_overhead(self) -> float:
-        """The per-step cost outside the forwards, in plain target steps (0 until measured). It is
-        paid once per step whatever K is, so ignoring it undervalues longer drafts."""
-        if not self.overhead_s or not self.verify_s[0]:
-            return 0.0
-        return median(self.overhead_s) / median(self.verify_s[0])
+    def overheads(self) -> dict[str, float]:
+        """The per-step cost outside the forwards, of a plain step and of a drafting step, in plain
+        target steps (0 until measured; where one kind is measured it stands for both): choose_k's
+        step_overhead and draft_overhead. Each is paid once per step whatever K is, so ignoring it
+        undervalues longer drafts."""
+        plain = median(self.plain_overhead_s) if self.plain_overhead_s else None
+        drafting = median(self.draft_overhead_s) if self.draft_overhead_s else None
+        if not self.verify_s[0] or (plain is None and drafting is None):
+            return {"step_overhead": 0.0, "draft_overhead": 0.0}
+        base = median(self.verify_s[0])
+        plain = drafting if plain is None else plain
+        drafting = plain if drafting is None else drafting
+        return {"step_overhead": plain / base, "draft_overhead": drafting / base}
 
     def saving_per_token(self, alpha: float) -> float | None:
         """Seconds a decoded token saves, at acceptance alpha and the best K, against plain decoding
@@ -72,12 +88,13 @@ class CostModel:
         if ratios is None:
             return None
         c, v = ratios
-        base, overhead = median(self.verify_s[0]), self.step_overhead()
-        k = choose_k(alpha, c, v, self.k_max, overhead, self.parallel)
+        base, overheads = median(self.verify_s[0]), self.overheads()
+        k = choose_k(alpha, c, v, self.k_max, parallel=self.parallel, **overheads)
         if k == 0:
             return 0.0
         drafting = c if self.parallel else k * c
-        return max(0.0, base * ((1.0 + overhead) - (drafting + v[k] + overhead) / expected_tokens(alpha, k)))
+        return max(0.0, base * ((1.0 + overheads["step_overhead"])
+                                - (drafting + v[k] + overheads["draft_overhead"]) / expected_tokens(alpha, k)))
 
     def ratios(self) -> tuple[float, list[float]] | None:
         """(c, [v(0)..v(k_max)]) once a plain step and a draft step have been measured."""
@@ -211,7 +228,7 @@ def drafting_can_pay(costs: CostModel, k_max: int) -> bool:
     """False once measured that not even drafts that are always accepted would pay at this batch
     size (a large batch on a CPU): then acceptance can't change the verdict, only the costs can."""
     ratios = costs.ratios()
-    return ratios is None or choose_k(1.0, *ratios, k_max, costs.step_overhead(), costs.parallel) > 0
+    return ratios is None or choose_k(1.0, *ratios, k_max, parallel=costs.parallel, **costs.overheads()) > 0
 
 
 class SpeculationGate:
@@ -248,13 +265,13 @@ class SpeculationGate:
         ratios = model.ratios()
         if ratios is None:  # not measured yet: draft, and measure
             return acceptance.prior()
-        overhead = model.step_overhead()
+        overheads = model.overheads()
         alpha = min(1.0, acceptance.alpha + self.MARGIN)
-        if choose_k(alpha, *ratios, self.k_max, overhead, model.parallel) > 0:
+        if choose_k(alpha, *ratios, self.k_max, parallel=model.parallel, **overheads) > 0:
             self.every, self.skipped = self.MIN_EVERY, 0
             return acceptance.prior()
         if batch <= 1 and max_tokens >= max(self.EXPLORE_TOKENS, 4 * prompt_tokens) and \
-                choose_k(1.0, *ratios, self.k_max, overhead, model.parallel) > 0:
+                choose_k(1.0, *ratios, self.k_max, parallel=model.parallel, **overheads) > 0:
             return AcceptanceEstimate(accepted=1.0, trials=1.0)  # one draft, accepted
         self.skipped += 1
         if self.skipped < self.every or batch > 1:
@@ -273,7 +290,7 @@ def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> in
             return 0
         estimate.probe_every = min(MAX_PROBE_EVERY, 2 * estimate.probe_every)
         return 1
-    k = choose_k(estimate.alpha, c, v, k_max, costs.step_overhead(), costs.parallel)
+    k = choose_k(estimate.alpha, c, v, k_max, parallel=costs.parallel, **costs.overheads())
     if k > 0:
         estimate.probe_every = PROBE_EVERY
     return k
