@@ -79,8 +79,10 @@ class CompiledStep:
     def step(self, tokens: Tensor, positions: Tensor, tables: Tensor) -> Tensor:
         B, T = tokens.shape
         shape = self._shape(batch_bucket(B), T, table_bucket(tables.shape[1], self.max_blocks))
-        shape.tokens.zero_()
-        shape.positions.copy_(shape.pad_positions)
+        # rows past B are padding (they may hold an earlier, larger step's rows): zero tokens and
+        # tables, positions 0..T-1; a real row's table is zero past its own width
+        shape.tokens[B:].zero_()
+        shape.positions[B:].copy_(shape.pad_positions[B:])
         shape.tables.zero_()
         shape.tokens[:B].copy_(tokens, non_blocking=True)
         shape.positions[:B].copy_(positions, non_blocking=True)
