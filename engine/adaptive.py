@@ -37,6 +37,34 @@ def choose_k(alpha: float, draft_cost: float, verify_cost: list[float], k_max: i
     return best_k
 
 
+
+def batch_k(alphas: list[float], ks: list[int], draft_cost: float, verify_cost: list[float],
+            step_overhead: float = 0.0, parallel: bool = False, draft_overhead: float | None = None) -> int:
+    """The cap on a batch's Ks (its rows' own choices, `ks`) with the most tokens per unit of the step's
+    cost, 0: a plain step. A row picks its K as if the step were its alone, but a drafting step costs
+    every row of the batch its drafts and its verify: a row whose acceptance pays for K = 1 at batch 2
+    made its plain neighbour wait for it (Qwen pair, AVX2 EPYC, two streams: 103 ms a step against 55
+    plain, 0.84x plain's tokens/s). Row b yields E(alphas[b], min(cap, ks[b])) tokens; costs in plain
+    target steps as in choose_k."""
+    extra = step_overhead if draft_overhead is None else draft_overhead
+    best_k, best_rate = 0, len(alphas) / (1.0 + step_overhead)
+    for cap in range(1, max(ks, default=0) + 1):
+        tokens = sum(expected_tokens(a, min(cap, k)) for a, k in zip(alphas, ks))
+        drafting = draft_cost if parallel else cap * draft_cost
+        rate = tokens / (drafting + verify_cost[cap] + extra)
+        if rate > best_rate * 1.02:  # choose_k's margin
+            best_k, best_rate = cap, rate
+    return best_k
+
+
+# Drafting rounds a batch size's costs rest on before its verdict: the first draft at a new batch size
+# can be an outlier (Qwen pair, AVX2 EPYC: 45 ms a draft step at batch 2, 19 ms after), and a verdict
+# that drafting can't pay is never measured again. They draft one token a row, the cheapest drafting
+# round (a K = 3 round at batch 8 cost 5.3 plain steps there, K = 1 about 2.3); verifies of more
+# tokens are extrapolated from it until rounds of that K measure them.
+MEASURED_DRAFTS = 3
+
+
 @dataclass
 class CostModel:
     """Running estimates of step costs, in seconds, from the engine's own timings: the median of
@@ -66,6 +94,11 @@ class CostModel:
         if step_s is not None:
             (self.draft_overhead_s if num_drafts > 0 else self.plain_overhead_s).append(
                 max(0.0, step_s - propose_s - verify_s))
+
+    @property
+    def measuring(self) -> bool:
+        """Still measuring: a plain step, then MEASURED_DRAFTS drafting rounds (their median decides)."""
+        return not self.verify_s[0] or len(self.draft_s) < MEASURED_DRAFTS
 
     def overheads(self) -> dict[str, float]:
         """The per-step cost outside the forwards, of a plain step and of a drafting step, in plain
@@ -125,7 +158,8 @@ class BatchCosts:
     """A CostModel per batch size (powers of two: 1, 2-3, 4-7, ...): on CPU a verify of B rows x K+1
     tokens costs far more, against a plain step of B rows, than at B = 1 (the weights are read
     once, the arithmetic grows with the rows), so the K that pays at batch 1 can lose at batch 8.
-    A batch size not yet seen measures its own costs first (a plain step, then a full draft)."""
+    A batch size not yet seen measures its own costs first: a plain step, then MEASURED_DRAFTS drafting
+    rounds of one token a row."""
 
     def __init__(self, k_max: int, parallel: bool = False):
         self.k_max, self.parallel = k_max, parallel
@@ -228,7 +262,7 @@ def drafting_can_pay(costs: CostModel, k_max: int) -> bool:
     """False once measured that not even drafts that are always accepted would pay at this batch
     size (a large batch on a CPU): then acceptance can't change the verdict, only the costs can."""
     ratios = costs.ratios()
-    return ratios is None or choose_k(1.0, *ratios, k_max, parallel=costs.parallel, **costs.overheads()) > 0
+    return costs.measuring or choose_k(1.0, *ratios, k_max, parallel=costs.parallel, **costs.overheads()) > 0
 
 
 class SpeculationGate:
@@ -263,7 +297,7 @@ class SpeculationGate:
         measured = costs.by_bucket.get(1)
         model = measured if measured is not None and measured.ratios() is not None else costs.for_batch(batch)
         ratios = model.ratios()
-        if ratios is None:  # not measured yet: draft, and measure
+        if model.measuring:  # not measured yet: draft, and measure
             return acceptance.prior()
         overheads = model.overheads()
         alpha = min(1.0, acceptance.alpha + self.MARGIN)
@@ -281,10 +315,9 @@ class SpeculationGate:
 
 
 def adaptive_k(estimate: AcceptanceEstimate, costs: CostModel, k_max: int) -> int:
-    ratios = costs.ratios()
-    if ratios is None:  # not measured yet: measure a plain step first, then a full draft
-        return 0 if not costs.verify_s[0] else k_max
-    c, v = ratios
+    if costs.measuring:  # measure a plain step first, then drafts of one token
+        return 0 if not costs.verify_s[0] else min(1, k_max)
+    c, v = costs.ratios()
     if estimate.steps_without_drafts >= estimate.probe_every:
         if not drafting_can_pay(costs, k_max):  # a probe could teach nothing
             return 0

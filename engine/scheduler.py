@@ -346,6 +346,8 @@ class Scheduler:
         for seq in rows:
             seq.ahead = None  # used now or never: the draft cache moves on either way
         ks = [len(blk) if blk else self._num_drafts(seq, len(rows), policy.pays) for seq, blk in zip(rows, blocks)]
+        if not any(blocks):  # (draft-ahead blocks are drafted already: verifying them is the cheap part)
+            ks = self.policy.batch_drafts([seq.acceptance for seq in rows], ks)
         rows, ks, blocks = self._make_room(plan, rows, ks, blocks, ahead_on)
         riding = [c for c in riding if plan.requests[c.seq_id] in self.running]  # not preempted for room
         if not rows:

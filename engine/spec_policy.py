@@ -13,7 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.adaptive import AcceptanceEstimate, BatchCosts, PrefillCost, SpeculationGate, adaptive_k, prefill_pays
+from engine.adaptive import AcceptanceEstimate, BatchCosts, PrefillCost, SpeculationGate, adaptive_k, batch_k, \
+    prefill_pays
 from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import SpeculativeConfig
 from engine.step import VerifyOutput
@@ -104,6 +105,18 @@ class SpeculationPolicy:
                                             self.prefill_cost.per_token()):
             return 0
         return adaptive_k(acceptance, self.costs.for_batch(rows), self.k)
+
+    def batch_drafts(self, acceptances: list[AcceptanceEstimate], ks: list[int]) -> list[int]:
+        """The rows' own Ks (num_drafts), capped where the batch as a whole gains more with fewer:
+        adaptive K's choice for the step, not for each row alone (batch_k). Batches of one, and a
+        batch size whose costs are still being measured, keep the rows' choices."""
+        if not self.adaptive or len(ks) <= 1 or max(ks) == 0:
+            return ks
+        costs = self.costs.for_batch(len(ks))
+        if costs.measuring:
+            return ks
+        cap = batch_k([a.alpha for a in acceptances], ks, *costs.ratios(), parallel=costs.parallel, **costs.overheads())
+        return [min(k, cap) for k in ks]
 
     # -- fed after update --------------------------------------------------------------------------
 
