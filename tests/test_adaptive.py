@@ -428,3 +428,24 @@ def test_a_row_whose_draft_is_behind_drafts_only_if_its_remaining_output_can_rep
     assert policy.num_drafts(plain, 8, False, remaining=10**4, behind=behind) == 0  # can't pay at this batch
     drafting = AcceptanceEstimate(accepted=9.0, trials=10.0)  # a = 0.9, drafted last step
     assert policy.num_drafts(drafting, 8, True, remaining=4, behind=2) > 0
+
+
+def test_a_batch_prefills_the_draft_only_where_it_would_draft_at_its_acceptance():
+    """A request joining a batch of 4 prefills its draft now only where the batch would draft at the
+    acceptance it starts from: that drafts that are always accepted could pay is not enough (each
+    request of 4 streams then prefilled a draft that never drafted, 0.98x plain over HTTP). It
+    catches up later if the batch shrinks or its acceptance rises; alone, it prefills now."""
+    from engine.config import SpeculativeConfig
+    from engine.spec_policy import DraftPrefill, SpeculationPolicy
+
+    policy = SpeculationPolicy(SpeculativeConfig(model=DRAFT, num_speculative_tokens=3, adaptive=True),
+                               overlaps_groups=True)
+    for rows in (1, 4):
+        costs = policy.costs.for_batch(rows)
+        costs.observe(0, 0.0, 0.030 * rows ** 0.5, 0.031 * rows ** 0.5)
+    measure(policy.costs.for_batch(1), 3, 0.010, 0.033, 0.044)
+    measure(policy.costs.for_batch(4), 1, 0.020, 0.078, 0.100)  # 4 rows x 2 tokens: 1.3 plain steps
+    assert policy.costs.can_pay(4)  # perfect drafts would pay ...
+    assert policy.draft_prefill(256, 20, 4, 0.6) is DraftPrefill.LATER  # ... but not at 0.6
+    assert policy.draft_prefill(256, 20, 4, 1.0) is DraftPrefill.NOW
+    assert policy.draft_prefill(256, 20, 1, 0.6) is DraftPrefill.NOW
