@@ -37,7 +37,6 @@ def choose_k(alpha: float, draft_cost: float, verify_cost: list[float], k_max: i
     return best_k
 
 
-
 # What a batch's drafting step must gain over a plain step. Where a batch of two or more gains at all
 # on a CPU it gains a few percent, while each row's acceptance is estimated from its last ~10 rounds:
 # over a 2% margin the rows drafted whenever their estimates ran high by chance, and lost more than
@@ -69,7 +68,7 @@ def batch_k(alphas: list[float], ks: list[int], draft_cost: float, verify_cost: 
 # can be an outlier (Qwen pair, AVX2 EPYC: 45 ms a draft step at batch 2, 19 ms after), and a verdict
 # that drafting can't pay is never measured again. They draft one token a row, the cheapest drafting
 # round (a K = 3 round at batch 8 cost 5.3 plain steps there, K = 1 about 2.3); verifies of more
-# tokens are extrapolated from it until rounds of that K measure them.
+# tokens are priced on the line through its timings until rounds of that K measure them (ratios).
 MEASURED_DRAFTS = 3
 
 
@@ -121,6 +120,10 @@ class CostModel:
         plain = drafting if plain is None else plain
         drafting = plain if drafting is None else drafting
         return {"step_overhead": plain / base, "draft_overhead": drafting / base}
+
+    def batch_cap(self, alphas: list[float], ks: list[int]) -> int:
+        """batch_k at these measured costs (measured: not `measuring`)."""
+        return batch_k(alphas, ks, *self.ratios(), parallel=self.parallel, **self.overheads())
 
     def saving_per_token(self, alpha: float) -> float | None:
         """Seconds a decoded token saves, at acceptance alpha and the best K, against plain decoding
@@ -266,10 +269,9 @@ def drafting_can_pay(costs: CostModel, k_max: int, rows: int = 1) -> bool:
     A batch of `rows` > 1 drafts only past BATCH_MARGIN (batch_k), so the verdict takes that margin."""
     if costs.measuring:
         return True
-    ratios, overheads = costs.ratios(), costs.overheads()
     if rows > 1:
-        return batch_k([1.0] * rows, [k_max] * rows, *ratios, parallel=costs.parallel, **overheads) > 0
-    return choose_k(1.0, *ratios, k_max, parallel=costs.parallel, **overheads) > 0
+        return costs.batch_cap([1.0] * rows, [k_max] * rows) > 0
+    return choose_k(1.0, *costs.ratios(), k_max, parallel=costs.parallel, **costs.overheads()) > 0
 
 
 class SpeculationGate:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.adaptive import AcceptanceEstimate, BatchCosts, PrefillCost, SpeculationGate, adaptive_k, batch_k, \
-    prefill_pays
+from engine.adaptive import AcceptanceEstimate, BatchCosts, PrefillCost, SpeculationGate, adaptive_k, prefill_pays
 from engine.ahead_policy import AheadPolicy, AheadRound
 from engine.config import SpeculativeConfig
 from engine.step import VerifyOutput
@@ -89,8 +88,7 @@ class SpeculationPolicy:
         costs = self.costs.for_batch(batch)
         if batch <= 1 or costs.measuring:  # (measuring rounds need the rows' drafts)
             return DraftPrefill.NOW
-        k = batch_k([alpha] * batch, [self.k] * batch, *costs.ratios(), parallel=costs.parallel, **costs.overheads())
-        return DraftPrefill.NOW if k > 0 else DraftPrefill.LATER
+        return DraftPrefill.NOW if costs.batch_cap([alpha] * batch, [self.k] * batch) > 0 else DraftPrefill.LATER
 
     def round(self, rows: int, any_drafts: bool) -> RoundPolicy:
         ahead = self.spec is not None and self.spec.draft_ahead and self.ahead.use(rows)
@@ -124,7 +122,7 @@ class SpeculationPolicy:
         costs = self.costs.for_batch(len(ks))
         if costs.measuring:
             return ks
-        cap = batch_k([a.alpha for a in acceptances], ks, *costs.ratios(), parallel=costs.parallel, **costs.overheads())
+        cap = costs.batch_cap([a.alpha for a in acceptances], ks)
         return [min(k, cap) for k in ks]
 
     # -- fed after update --------------------------------------------------------------------------
