@@ -30,10 +30,27 @@ SPAN = 32  # weights the kernel reads per row and step; every GGUF block is 32 o
 
 
 @dataclass
+class TwoLevelScales:
+    """A k-quant's (Q4_K, Q5_K, Q6_K) scales as its file holds them: scale = D * c (and offset = M * c'),
+    D, M one float32 per 256 weights of a row (the block's d and -dmin), c, c' small integers per group,
+    each product one float32 multiply, as gguf-py dequantizes (so scale_offset holds its results)."""
+    supers: Tensor  # float32 [N, K // 256, P]: D (and M); P = 2 with offsets, else 1
+    codes: Tensor  # int8 [N, K // group, P]: c (and c')
+
+    def take(self, rows) -> "TwoLevelScales":
+        return TwoLevelScales(self.supers[rows], self.codes[rows])
+
+    def scale_offset(self, group: int) -> Tensor:
+        """[N, K // group, P] float32: the products."""
+        return self.supers.repeat_interleave(QK_K // group, dim=1) * self.codes.float()
+
+
+@dataclass
 class BlockWeight:
     q: Tensor  # int8 [N, K]
     scale_offset: Tensor  # float32 [N, K // group, 2]
     group: int  # weights per (scale, offset); a power of two >= 16
+    two_level: TwoLevelScales | None = None  # how a k-quant's scales factor (Int8Blocks stores them so)
 
     @property
     def shape(self) -> torch.Size:
@@ -54,28 +71,42 @@ class BlockWeight:
         return PackedBlocks.of(self)
 
     def rows(self, start: int, stop: int) -> "BlockWeight":
-        return BlockWeight(self.q[start:stop].clone(), self.scale_offset[start:stop].clone(), self.group)
+        two = self.two_level
+        return BlockWeight(self.q[start:stop].clone(), self.scale_offset[start:stop].clone(), self.group,
+                           two and TwoLevelScales(two.supers[start:stop].clone(), two.codes[start:stop].clone()))
 
     def take(self, rows: Tensor) -> "BlockWeight":
-        return BlockWeight(self.q[rows], self.scale_offset[rows], self.group)
+        return BlockWeight(self.q[rows], self.scale_offset[rows], self.group, self.two_level and self.two_level.take(rows))
 
     def cols(self, start: int, stop: int) -> "BlockWeight":
         if start % self.group or stop % self.group:
             raise ValueError(f"columns {start}:{stop} cut through blocks of {self.group}")
-        g = self.group
+        g, two = self.group, self.two_level
+        if two is not None and start % QK_K == 0 and stop % QK_K == 0:
+            two = TwoLevelScales(two.supers[:, start // QK_K: stop // QK_K].contiguous(),
+                                 two.codes[:, start // g: stop // g].contiguous())
+        else:
+            two = None  # a cut through a 256-weight block: its scales stay one level
         return BlockWeight(self.q[:, start:stop].contiguous(),
-                           self.scale_offset[:, start // g : stop // g].contiguous(), g)
+                           self.scale_offset[:, start // g : stop // g].contiguous(), g, two)
 
     def regroup(self, group: int) -> "BlockWeight":
         """The same weights with a (scale, offset) pair every `group` (a divisor of ours)."""
         repeat = self.group // group
-        return self if repeat == 1 else BlockWeight(self.q, self.scale_offset.repeat_interleave(repeat, dim=1), group)
+        two = self.two_level and TwoLevelScales(self.two_level.supers, self.two_level.codes.repeat_interleave(repeat, dim=1))
+        return self if repeat == 1 else BlockWeight(self.q, self.scale_offset.repeat_interleave(repeat, dim=1), group, two)
 
     @staticmethod
     def cat(parts: list["BlockWeight"]) -> "BlockWeight":
+        """Rows of several weights (a fused q|k|v or gate|up); two-level scales only where every part has
+        them alike (a Q4_K beside a Q6_K keeps one level)."""
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
-        return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale_offset for p in parts]), group)
+        twos = [p.two_level for p in parts]
+        two = None
+        if all(t is not None for t in twos) and len({t.supers.shape[-1] for t in twos}) == 1:
+            two = TwoLevelScales(torch.cat([t.supers for t in twos]), torch.cat([t.codes for t in twos]))
+        return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale_offset for p in parts]), group, two)
 
 
 def _dequantize(q: Tensor, so: Tensor, group: int) -> Tensor:
@@ -157,9 +188,12 @@ TILE = 16  # weight rows the int8 kernel computes side by side, one int32 lane e
 class Int8Blocks:
     """A BlockWeight as the int8 kernel reads it: u = q - lo unsigned (lo: the tensor's smallest q),
     4 bits where u < 16 (Q4_0, Q4_1, Q4_K), else a byte; (d, m) per group of 16 or 32 weights, float16
-    where exact, d alone where every m is -0.0. The weights are the file's, exactly (`dequantize`).
-    u [ceil(N / 16), K / 4, 16, 4] bytes (16 rows side by side, 4 consecutive k each), 4-bit
-    [.., K / 8, 16, 4] (byte b: k = 8c + b low, 8c + 4 + b high); dm [ceil(N / 16), K / G, 2 or 1, 16].
+    where exact, d alone where every m is -0.0, or for the k-quants in their file's two levels (int8
+    codes per group times a float32 per 256 weights: TwoLevelScales). The weights are the file's,
+    exactly (`dequantize`). u [ceil(N / 16), K / 4, 16, 4] bytes (16 rows side by side, 4 consecutive k
+    each), 4-bit [.., K / 8, 16, 4] (byte b: k = 8c + b low, 8c + 4 + b high); dm [ceil(N / 16), K / G,
+    2 or 1, 16], two levels int8 [ceil(N / 16), K / G + 4 * K / 256, 2 or 1, 16] (the codes, then each
+    float as 4 byte planes: the kernel reads 16 rows' floats from 4 loads).
     """
     u: Tensor
     dm: Tensor
@@ -182,7 +216,8 @@ class Int8Blocks:
             u = u[..., 0, :] | (u[..., 1, :] << 4)
         else:
             u = u.view(n, k // 4, 4)
-        return Int8Blocks._of_rows(u, _narrow_pairs(w.scale_offset), lo, k, hi - lo)
+        dm = _two_level_rows(w)
+        return Int8Blocks._of_rows(u, _narrow_pairs(w.scale_offset) if dm is None else dm, lo, k, hi - lo)
 
     @staticmethod
     def _of_rows(u: Tensor, dm: Tensor, lo: int, cols: int, max_code: int) -> "Int8Blocks":
@@ -204,6 +239,14 @@ class Int8Blocks:
         return self.u.shape[1] * 8 == self.cols
 
     @property
+    def two_level(self) -> bool:
+        return self.dm.dtype == torch.int8
+
+    @property
+    def group(self) -> int:
+        return self.cols // (self.dm.shape[1] - (4 * self.cols // QK_K if self.two_level else 0))
+
+    @property
     def shape(self) -> torch.Size:
         return torch.Size((self.rows, self.cols))
 
@@ -219,7 +262,29 @@ class Int8Blocks:
             u = torch.stack([u & 0x0F, u >> 4], dim=-2)  # [..., K / 8, 2, 4]
         q = (u.flatten(-3 if self.four_bit else -2).to(torch.int16) + self.lo).to(torch.int8)
         dm = self.dm[index // TILE, :, :, index % TILE]  # [..., K / G, 2 or 1]
-        return _dequantize(q, dm, q.shape[-1] // dm.shape[-2])
+        if self.two_level:
+            groups = self.cols // self.group
+            planes = dm[..., groups:, :].view(torch.uint8).unflatten(-2, (-1, 4)).transpose(-1, -2)  # [.., K / 256, P, 4]
+            supers = planes.contiguous().view(torch.float32).squeeze(-1)  # [..., K / 256, P]
+            dm = supers.repeat_interleave(QK_K // self.group, dim=-2) * dm[..., :groups, :].float()
+        return _dequantize(q, dm, self.group)
+
+
+def _two_level_rows(w: BlockWeight) -> Tensor | None:
+    """A k-quant's scales in two levels, int8 [N, K / G + 4 * K / 256, P]: the codes, then each 256-weight
+    block's float32 as 4 byte planes (row 4s + j: byte j); None where w has none, or they don't give
+    its scale_offset bit for bit."""
+    two = w.two_level
+    if two is None or w.group not in (16, 32) or w.shape[1] % QK_K:
+        return None
+    pairs = two.supers.shape[-1]
+    if pairs == 1 and not _bits_equal(w.scale_offset[..., 1], torch.full_like(w.scale_offset[..., 1], -0.0)):
+        return None
+    if not _bits_equal(two.scale_offset(w.group), w.scale_offset[..., :pairs]):
+        return None
+    n, blocks = two.supers.shape[:2]
+    planes = two.supers.contiguous().view(torch.uint8).view(n, blocks, pairs, 4).transpose(2, 3).reshape(n, 4 * blocks, pairs)
+    return torch.cat([two.codes.to(torch.int8), planes.view(torch.int8)], dim=1)
 
 
 def _narrow_pairs(so: Tensor) -> Tensor:
@@ -295,7 +360,14 @@ def _q8_0(b):
 def _q4_k(b):
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scale_min(b[:, 4:16])
-    return _nibbles(b[:, 16:144], 32).astype(np.int8), d * sc, -(dmin * mn), 32
+    return _nibbles(b[:, 16:144], 32).astype(np.int8), d * sc, -(dmin * mn), 32, _factors([d, -dmin], [sc, mn])
+
+
+def _factors(supers: list[np.ndarray], codes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per block: its floats [blocks, 1, P] and its groups' integer codes [blocks, groups, P] (TwoLevelScales;
+    the offset's float is -dmin: -(dmin * m) == (-dmin) * m bit for bit)."""
+    return (np.stack([s.reshape(-1, 1) for s in supers], axis=-1).astype(np.float32),
+            np.stack([c.reshape(c.shape[0], -1) for c in codes], axis=-1).astype(np.int8))
 
 
 def _q5_k(b):
@@ -303,7 +375,7 @@ def _q5_k(b):
     sc, mn = _k_scale_min(b[:, 4:16])
     qh = b[:, 16:48].reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     q = _nibbles(b[:, 48:176], 32) | ((qh & np.uint8(1)).reshape(-1, QK_K) << np.uint8(4))
-    return q.astype(np.int8), d * sc, -(dmin * mn), 32
+    return q.astype(np.int8), d * sc, -(dmin * mn), 32, _factors([d, -dmin], [sc, mn])
 
 
 def _q6_k(b):
@@ -311,7 +383,8 @@ def _q6_k(b):
     ql = _nibbles(b[:, 0:128], 64)
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     q = (ql | ((qh & np.uint8(3)).reshape(n, QK_K) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return q, _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32), None, 16
+    d, sc = _f16(b[:, 208:210]), b[:, 192:208].view(np.int8).astype(np.float32)
+    return q, d * sc, None, 16, _factors([d], [sc])
 
 
 # type name -> (weights per block, bytes per block, decoder)
@@ -325,13 +398,18 @@ def decode(raw: np.ndarray, type_name: str) -> BlockWeight:
     """A GGUF tensor's bytes [N, row bytes] as a BlockWeight with N rows, in the file's row order."""
     per_block, size, decoder = DECODERS[type_name]
     rows = raw.shape[0]
-    q, scale, offset, group = decoder(np.ascontiguousarray(raw).reshape(-1, size))
+    q, scale, offset, group, *factors = decoder(np.ascontiguousarray(raw).reshape(-1, size))
     scale = scale.reshape(rows, -1)
     offset = np.full_like(scale, NO_OFFSET) if offset is None else offset.reshape(rows, -1)
     q = q.reshape(rows, -1)
     assert q.shape[1] == scale.shape[1] * group and q.shape[1] % per_block == 0
+    two = None
+    if factors:
+        supers, codes = factors[0]
+        two = TwoLevelScales(torch.from_numpy(supers.reshape(rows, -1, supers.shape[-1])),
+                             torch.from_numpy(codes.reshape(rows, -1, codes.shape[-1])))
     return BlockWeight(torch.from_numpy(np.ascontiguousarray(q)),
-                       torch.from_numpy(np.stack([scale, offset], axis=-1)), group)
+                       torch.from_numpy(np.stack([scale, offset], axis=-1)), group, two)
 
 
 # --- which HF tensor a GGUF tensor is ---
@@ -380,8 +458,7 @@ def read_block_weights(path: Path, state: dict[str, Tensor], config) -> dict[str
             continue
         decoded = decode(tensor.data, tensor.type_name)
         for order in _row_orders(name, decoded.shape[0], config):
-            candidate = decoded if order is None else BlockWeight(
-                decoded.q[order].contiguous(), decoded.scale_offset[order].contiguous(), decoded.group)
+            candidate = decoded if order is None else decoded.take(torch.from_numpy(order))
             if _bits_equal(candidate.dequantize(), state[name]):
                 blocks[name] = candidate
                 break

@@ -16,7 +16,11 @@
 // horizontal sums. u [N / 16, K / 4, 16,
 // 4] bytes, or [N / 16, K / 8, 16, 4] of 4-bit pairs (byte b of a lane holds k = 8c + b in its low
 // half, k = 8c + 4 + b in its high half); dm [N / 16, K / G, 2, 16] (d then m; [.., 1, 16]: d only,
-// types without an offset) float32 or float16.
+// types without an offset) float32 or float16, or int8 in two levels, as the k-quants store them
+// (Q4_K, Q5_K, Q6_K): d = D * c per group, c a small integer, D one float per 256 weights (m likewise),
+// [N / 16, K / G + 4 * K / 256, 2 or 1, 16]: the groups' c, then each D as 4 byte planes (plane j: byte
+// j of each lane's float). The kernel multiplies D * c in float32, as the file's dequantization does:
+// the same scales, in 1.25 or 0.625 bits a weight instead of 2 (float32 d, m per 32) or 2 (d per 16).
 //
 // Every output is one lane accumulated over its groups in k order, whatever the number of rows or
 // threads: a row's result never depends on the other rows (a 1-token decode and a K+1-token verify
@@ -87,8 +91,8 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t group) {
 }
 
 struct Int8Args {
-  int64_t n, k, group, lo, tile_bytes;  // tile_bytes: u of one tile
-  bool nibbles, half, offset, wide;
+  int64_t n, k, group, lo, tile_bytes, tile_dm;  // bytes of one tile: u, dm
+  bool nibbles, half, offset, wide, two_level;
 };
 
 inline I broadcast4(const int8_t* p) { return set1_i(*(const int32_t*)p); }
@@ -105,7 +109,15 @@ inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, co
     for (int h = 0; h < HALVES; ++h) acc[r][h] = zero();
   const F lo = set1((float)a.lo);
   const int64_t groups = a.k / G, pair = a.offset ? 2 : 1;
+  F big_d[HALVES], big_m[HALVES];  // two levels: the 256-weight block's D and M, read once per block
   for (int64_t g = 0; g < groups; ++g) {
+    if (a.two_level && g % (256 / G) == 0) {
+      const uint8_t* planes = dm + (groups + 4 * (g * G / 256)) * pair * TILE;
+      for (int h = 0; h < HALVES; ++h) {
+        big_d[h] = from_byte_planes(planes + h * kLanes, pair * TILE);
+        big_m[h] = a.offset ? from_byte_planes(planes + TILE + h * kLanes, pair * TILE) : zero();
+      }
+    }
     I dot[R][HALVES];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < HALVES; ++h) dot[r][h] = zero_i();
@@ -174,7 +186,11 @@ inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, co
     for (int h = 0; h < HALVES; ++h) {
       // the group's d and m + lo d for these rows
       F d, mp;
-      if (a.half) {
+      if (a.two_level) {  // the group's int8 codes times its block's D and M
+        const int8_t* c = (const int8_t*)dm + g * pair * TILE + h * kLanes;
+        d = mul(big_d[h], from_i8(c));
+        mp = a.offset ? fmadd(lo, d, mul(big_m[h], from_i8(c + TILE))) : mul(lo, d);
+      } else if (a.half) {
         const uint16_t* p = (const uint16_t*)(dm + g * pair * TILE * 2) + h * kLanes;
         d = from_half(p);
         mp = a.offset ? fmadd(lo, d, from_half(p + TILE)) : mul(lo, d);
@@ -212,7 +228,7 @@ void run_int8(const Int8Args& a, const at::Tensor& u, const at::Tensor& dm, cons
               const float* bias, at::Tensor& y) {
   static constexpr auto tiles_of = int8_tiles<Nibbles, Wide, S, G>(std::make_index_sequence<MR>{});
   const int64_t m = y.size(0), tiles = (a.n + TILE - 1) / TILE;
-  const int64_t tile_u = a.tile_bytes, tile_dm = (a.k / G) * (a.offset ? 2 : 1) * TILE * (a.half ? 2 : 4);
+  const int64_t tile_u = a.tile_bytes, tile_dm = a.tile_dm;
   const uint8_t* up = (const uint8_t*)u.data_ptr();
   const uint8_t* dp = (const uint8_t*)dm.data_ptr();
   const int8_t* xq = xr.xq.data_ptr<int8_t>();
@@ -242,13 +258,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tenso
   TORCH_CHECK(u.dim() == 4 && u.is_contiguous() && u.scalar_type() == at::kByte && u.size(2) == TILE && u.size(3) == 4,
               "int8_linear: u must be a contiguous uint8 [N / 16, K / 4 or K / 8, 16, 4] tensor");
   TORCH_CHECK(dm.dim() == 4 && dm.is_contiguous() && dm.size(0) == u.size(0) && dm.size(3) == TILE &&
-                  (dm.size(2) == 1 || dm.size(2) == 2) && (dm.scalar_type() == at::kFloat || dm.scalar_type() == at::kHalf),
-              "int8_linear: dm must be a contiguous float32 or float16 [N / 16, K / group, 2 or 1, 16] tensor");
+                  (dm.size(2) == 1 || dm.size(2) == 2) &&
+                  (dm.scalar_type() == at::kFloat || dm.scalar_type() == at::kHalf || dm.scalar_type() == at::kChar),
+              "int8_linear: dm must be a contiguous float32, float16 or int8 (two-level) [N / 16, K / group, 2 or 1, 16] tensor");
   const int64_t k = x.size(1);
   const bool nibbles = u.size(1) * 8 == k;
   TORCH_CHECK(nibbles || u.size(1) * 4 == k, "int8_linear: u does not match x");
-  TORCH_CHECK(k % XBLOCK == 0 && k % dm.size(1) == 0, "int8_linear: K must be a multiple of 32 and of the group");
-  const int64_t group = k / dm.size(1);
+  const bool two_level = dm.scalar_type() == at::kChar;
+  // two levels: K / G groups' codes and 4 byte planes per 256 weights
+  const int64_t group_rows = two_level ? dm.size(1) - 4 * (k / 256) : dm.size(1);
+  TORCH_CHECK(!two_level || k % 256 == 0, "int8_linear: two-level scales need K a multiple of 256");
+  TORCH_CHECK(k % XBLOCK == 0 && group_rows > 0 && k % group_rows == 0,
+              "int8_linear: K must be a multiple of 32 and of the group");
+  const int64_t group = k / group_rows;
   TORCH_CHECK(group == 16 || group == 32, "int8_linear: groups of 16 or 32 weights");
   TORCH_CHECK(rows > (u.size(0) - 1) * TILE && rows <= u.size(0) * TILE, "int8_linear: rows does not match u");
   const float* b = nullptr;
@@ -260,8 +282,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tenso
   TORCH_CHECK(max_code >= 0 && max_code <= 255 && (!nibbles || max_code <= 15),
               "int8_linear: max_code is the largest code of u (4-bit: at most 15, else 255)");
   const bool wide = max_code > 127;
-  const Int8Args a{rows, k, group, lo, k * TILE / (nibbles ? 2 : 1), nibbles, dm.scalar_type() == at::kHalf,
-                   dm.size(2) == 2, wide};
+  const Int8Args a{rows, k, group, lo, k * TILE / (nibbles ? 2 : 1), dm.size(1) * dm.size(2) * TILE * (int64_t)dm.element_size(),
+                   nibbles, dm.scalar_type() == at::kHalf, dm.size(2) == 2, wide, two_level};
   const at::Tensor xc = x.stride(0) == k ? x : x.contiguous();
   const QuantizedRows xr = quantize_rows(xc, group);
   at::Tensor y = at::empty({x.size(0), rows}, x.options());

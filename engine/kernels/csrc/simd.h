@@ -9,7 +9,7 @@
 //   zero set1 loadu storeu; first(n): lanes [0, n); lanes(from, to); load/store under a mask (masked
 //   lanes read as 0, are never touched); keep(m, v): v where m, else 0
 //   add sub mul div max min fmadd fnmadd abs round_even scale_pow2 reduce_add reduce_max
-//   from_half from_i8 widen_u8 to_float prefetch reduce4 transpose_sums
+//   from_half from_i8 widen_u8 from_byte_planes to_float prefetch reduce4 transpose_sums
 //   zero_i set1_i loadu_i add_i low_nibbles high_nibbles dot_u8s8 dot_u8s8_wide round_to_i8
 //
 // Lane-wise arithmetic is IEEE float32 on every target; reductions (reduce_add, reduce4,

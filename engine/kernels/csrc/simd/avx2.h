@@ -64,6 +64,14 @@ inline float reduce_max(F v) {
 inline F from_half(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline F from_i8(const void* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 inline I widen_u8(const void* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+// a float per lane from 4 byte planes (`stride` bytes apart; plane j holds each lane's byte j)
+inline F from_byte_planes(const uint8_t* p, int64_t stride) {
+  I v = widen_u8(p);
+  v = _mm256_or_si256(v, _mm256_slli_epi32(widen_u8(p + stride), 8));
+  v = _mm256_or_si256(v, _mm256_slli_epi32(widen_u8(p + 2 * stride), 16));
+  v = _mm256_or_si256(v, _mm256_slli_epi32(widen_u8(p + 3 * stride), 24));
+  return _mm256_castsi256_ps(v);
+}
 inline F to_float(I v) { return _mm256_cvtepi32_ps(v); }
 inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
 

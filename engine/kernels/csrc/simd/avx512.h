@@ -50,6 +50,14 @@ inline F from_half(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((c
 inline F from_i8(const void* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 // kLanes bytes widened to int32 lanes, unsigned
 inline I widen_u8(const void* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+// a float per lane from 4 byte planes (`stride` bytes apart; plane j holds each lane's byte j)
+inline F from_byte_planes(const uint8_t* p, int64_t stride) {
+  I v = widen_u8(p);
+  v = _mm512_or_si512(v, _mm512_slli_epi32(widen_u8(p + stride), 8));
+  v = _mm512_or_si512(v, _mm512_slli_epi32(widen_u8(p + 2 * stride), 16));
+  v = _mm512_or_si512(v, _mm512_slli_epi32(widen_u8(p + 3 * stride), 24));
+  return _mm512_castsi512_ps(v);
+}
 inline F to_float(I v) { return _mm512_cvtepi32_ps(v); }
 inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
 
