@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.gguf_blocks import DECODERS, BlockWeight, decode, read_block_weights
+from engine.models.gguf_blocks import DECODERS, QK_K, BlockWeight, Int8Blocks, TwoLevelScales, decode, read_block_weights
 from engine.models.loading import load_state_dict, resolve_model
 from engine.kernels import MAX_ROWS
 from engine.worker import ModelWorker
@@ -86,6 +86,10 @@ def test_every_quantized_tensor_of_the_embedded_models_is_kept_as_blocks(model, 
         assert torch.equal(weight.dequantize(), state[name])
     nbytes = sum(w.nbytes for w in blocks.values())
     assert nbytes < 0.4 * sum(state[name].nbytes for name in blocks)
+    # the k-quants' scales factor as their file stores them, and the int8 kernel keeps both levels
+    two_level = [w for w in blocks.values() if w.two_level is not None]
+    assert len(two_level) == sum(t.type_name.endswith("_K") for t in quantized)
+    assert all(Int8Blocks.of(w).two_level for w in two_level)
 
 
 # (q values, (scale, offset) float16-exact, offsets, group): every packed form the kernel reads
@@ -110,6 +114,58 @@ def random_weight(values: range, half: bool, offsets: bool, group: int, n: int, 
     if not offsets:
         so[..., 1] = -0.0
     return BlockWeight(q, so, group)
+
+
+# (q values, offsets, group): the k-quants, whose scales factor as the file stores them (TwoLevelScales)
+TWO_LEVEL = {
+    "4-bit, two-level pairs (Q4_K)": (range(0, 16), True, 32),
+    "5-bit, two-level pairs (Q5_K)": (range(0, 32), True, 32),
+    "6-bit, two-level scales (Q6_K)": (range(-32, 32), False, 16),
+}
+
+
+def random_two_level(values: range, offsets: bool, group: int, n: int, k: int, gen) -> BlockWeight:
+    """A k-quant-like weight: float16-valued block floats per 256 weights times 6-bit codes 0..63 (Q4_K,
+    Q5_K: d and -dmin) or signed 8-bit ones (Q6_K: d only), scale_offset their float32 products."""
+    pairs = 2 if offsets else 1
+    q = torch.randint(values.start, values.stop, (n, k), generator=gen).to(torch.int8)
+    supers = torch.randn(n, k // QK_K, pairs, generator=gen).half().float()
+    codes = torch.randint(0 if offsets else -128, 64 if offsets else 128, (n, k // group, pairs), generator=gen)
+    two = TwoLevelScales(supers, codes.to(torch.int8))
+    so = two.scale_offset(group)
+    if not offsets:
+        so = torch.cat([so, torch.full_like(so, -0.0)], dim=-1)
+    return BlockWeight(q, so, group, two)
+
+
+def any_weight(form: str, n: int, k: int, gen) -> BlockWeight:
+    return random_two_level(*TWO_LEVEL[form], n, k, gen) if form in TWO_LEVEL else random_weight(*FORMATS[form], n, k, gen)
+
+
+@pytest.mark.parametrize("form", sorted(TWO_LEVEL))
+def test_two_level_scales_follow_every_cut_of_a_weight(form):
+    """Splits for tensor parallelism, fused q|k|v rows and row reorders keep a k-quant's two levels where
+    they still describe its scales, and drop them (one level, the same weights) where they can't."""
+    gen = torch.Generator().manual_seed(3)
+    w = random_two_level(*TWO_LEVEL[form], 40, 768, gen)
+
+    def consistent(part: BlockWeight) -> bool:
+        two = part.two_level
+        return two is not None and torch.equal(two.scale_offset(part.group), part.scale_offset[..., :two.supers.shape[-1]])
+
+    assert consistent(w)
+    assert consistent(w.rows(8, 24)) and consistent(w.take(torch.tensor([39, 0, 7])))
+    assert consistent(w.cols(256, 768)) and torch.equal(w.cols(256, 768).dequantize(), w.dequantize()[:, 256:])
+    assert w.cols(0, 128).two_level is None  # half a 256-weight block
+    assert consistent(w.regroup(16)) and torch.equal(w.regroup(16).dequantize(), w.dequantize())
+    fused = BlockWeight.cat([w.rows(0, 8), w.rows(8, 40)])
+    assert consistent(fused) and torch.equal(fused.dequantize(), w.dequantize())
+    offsets = w.two_level.supers.shape[-1] == 2
+    other = random_two_level(*TWO_LEVEL["6-bit, two-level scales (Q6_K)" if offsets else "4-bit, two-level pairs (Q4_K)"],
+                             8, 768, gen)
+    mixed = BlockWeight.cat([w, other])  # a Q4_K beside a Q6_K: their scales stay one level
+    assert mixed.two_level is None
+    assert torch.equal(mixed.dequantize(), torch.cat([w.dequantize(), other.dequantize()]))
 
 
 @pytest.mark.parametrize("form", sorted(FORMATS))

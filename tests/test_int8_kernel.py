@@ -7,14 +7,16 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.gguf_blocks import Int8Blocks
+from engine.models.gguf_blocks import BlockWeight, Int8Blocks
 from engine.models.linear import BlockLinear
 from engine.models.loading import resolve_model
 from engine.kernels import MAX_ROWS
 from engine.worker import ModelWorker
 from conftest import KERNEL_TARGETS, needs_kernels
 from engine import kernels as cpu_kernels
-from test_gguf_blocks import FORMATS, GEMMA3, SMOLLM2, logits_of_steps, random_weight
+from test_gguf_blocks import FORMATS, GEMMA3, SMOLLM2, TWO_LEVEL, any_weight, logits_of_steps, random_weight
+
+FORMS = sorted(FORMATS) + sorted(TWO_LEVEL)
 
 
 
@@ -35,14 +37,14 @@ def int8_reference(x: torch.Tensor, weight) -> torch.Tensor:
     return (xq.double() * scale.double()).view(m, k) @ w.T
 
 
-@pytest.mark.parametrize("form", sorted(FORMATS))
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_computes_the_int8_arithmetic(kernel, form, with_bias):
     gen = torch.Generator().manual_seed(len(form) + 1)
-    n, k = 99, 4 * 64 + 64  # 99 rows: the last tile of 16 is padded
-    weight = random_weight(*FORMATS[form], n, k, gen)
+    n, k = 99, 3 * 256  # 99 rows: the last tile of 16 is padded
+    weight = any_weight(form, n, k, gen)
     packed = Int8Blocks.of(weight)
-    assert packed.shape == weight.shape
+    assert packed.shape == weight.shape and packed.two_level == (form in TWO_LEVEL)
     assert torch.equal(packed.dequantize(), weight.dequantize())  # the file's weights, exactly
     rows = torch.tensor([[98, 0], [5, 97]])
     assert torch.equal(packed.dequantize(rows), weight.dequantize()[rows])  # an embedding lookup
@@ -60,16 +62,16 @@ def test_kernel_computes_the_int8_arithmetic(kernel, form, with_bias):
 
 
 @pytest.mark.skipif(len(KERNEL_TARGETS) < 2, reason="this CPU runs one kernel target: nothing to compare it with")
-@pytest.mark.parametrize("form", sorted(FORMATS))
+@pytest.mark.parametrize("form", FORMS)
 def test_every_target_computes_the_same_bits(form):
     """The integer sums are exact and each output's float steps run in one order on every target: the AVX2
     build (vpmaddubsw, the sign trick for codes of 128 and up) equals the AVX-512 VNNI one bit for bit."""
     gen = torch.Generator().manual_seed(7)
-    weight = random_weight(*FORMATS[form], 70, 320, gen)
+    weight = any_weight(form, 70, 512, gen)
     packed = Int8Blocks.of(weight)
     bias = torch.randn(70, generator=gen)
     for m in (1, 3, 8, 13):
-        x = torch.randn(m, 320, generator=gen) * 3
+        x = torch.randn(m, 512, generator=gen) * 3
         outs = {name: cpu_kernels.load(name).ops.int8_linear(x, packed.u, packed.dm, packed.lo, packed.rows,
                                                                packed.max_code, bias) for name in KERNEL_TARGETS}
         first = outs[KERNEL_TARGETS[0]]
@@ -98,10 +100,31 @@ def test_a_row_does_not_depend_on_the_other_rows_or_the_threads(kernel):
 
 @pytest.mark.parametrize("form,bytes_per_weight", [("4-bit from 0, float16 pairs (Q4_1)", 0.625),
                                                    ("int8, float16 scales only (Q8_0)", 1.0625),
-                                                   ("4-bit from -8, scales only (Q4_0)", 0.5625)])
+                                                   ("4-bit from -8, scales only (Q4_0)", 0.5625),
+                                                   # 4 bits, 2 x 6-bit codes held in bytes per 32, 2 floats per 256
+                                                   ("4-bit, two-level pairs (Q4_K)", 4.75 / 8),
+                                                   ("5-bit, two-level pairs (Q5_K)", 8.75 / 8),
+                                                   ("6-bit, two-level scales (Q6_K)", 8.625 / 8)])
 def test_packing_takes_the_files_own_bytes_where_exact(form, bytes_per_weight):
-    weight = random_weight(*FORMATS[form], 64, 256, torch.Generator().manual_seed(0))
+    weight = any_weight(form, 64, 256, torch.Generator().manual_seed(0))
     assert Int8Blocks.of(weight).nbytes == bytes_per_weight * 64 * 256
+
+
+@pytest.mark.parametrize("form", sorted(TWO_LEVEL))
+def test_two_level_scales_give_the_one_level_bits(kernel, form):
+    """A k-quant's scales as D * c in the kernel are the float32 products the one-level form stores: the
+    outputs are equal bit for bit, in fewer bytes; scales that don't factor exactly keep one level."""
+    gen = torch.Generator().manual_seed(11)
+    weight = any_weight(form, 50, 768, gen)
+    two, one = Int8Blocks.of(weight), Int8Blocks.of(BlockWeight(weight.q, weight.scale_offset, weight.group))
+    assert two.two_level and not one.two_level and two.nbytes < one.nbytes and two.group == one.group
+    for m in (1, 4, 9):
+        x = torch.randn(m, 768, generator=gen)
+        a, b = (kernel.ops.int8_linear(x, p.u, p.dm, p.lo, p.rows, p.max_code, None) for p in (two, one))
+        assert torch.equal(a, b), f"m={m}"
+    off = BlockWeight(weight.q, weight.scale_offset.clone(), weight.group, weight.two_level)
+    off.scale_offset[3, 1, 0] = torch.nextafter(off.scale_offset[3, 1, 0], torch.tensor(1e30))
+    assert not Int8Blocks.of(off).two_level  # one scale off by an ulp: the file's products are the truth
 
 
 def test_kernel_refuses_bad_shapes(kernel):
@@ -115,6 +138,10 @@ def test_kernel_refuses_bad_shapes(kernel):
         kernel.ops.int8_linear(torch.randn(2, 64), u.flatten(0, 1), dm, 0, 16, 255, None)
     with pytest.raises(RuntimeError, match="dm must be"):
         kernel.ops.int8_linear(torch.randn(2, 64), u, torch.zeros(1, 2, 3, 16), 0, 16, 255, None)
+    with pytest.raises(RuntimeError, match="dm must be"):
+        kernel.ops.int8_linear(torch.randn(2, 64), u, dm.to(torch.int32), 0, 16, 255, None)
+    with pytest.raises(RuntimeError, match="multiple of 256"):  # int8 dm: two levels, 256-weight blocks
+        kernel.ops.int8_linear(torch.randn(2, 64), u, torch.zeros(1, 2, 2, 16, dtype=torch.int8), 0, 16, 255, None)
     with pytest.raises(RuntimeError, match="bias"):
         kernel.ops.int8_linear(torch.randn(2, 64), u, dm, 0, 16, 255, torch.zeros(3))
     with pytest.raises(RuntimeError, match="max_code"):
