@@ -100,7 +100,7 @@ inline I broadcast4(const int8_t* p) { return set1_i(*(const int32_t*)p); }
 // 16 weight rows x R rows of x, over all of k; acc lanes are the 16 outputs of each row of x.
 // Wide: 8-bit codes of 128 and up, where dot_u8s8_wide without VNNI needs 128 * sum(xq) added back.
 // S: without VNNI, chunks of 8-bit codes whose products are summed in int16 (1, 2, 4: the codes' range).
-template <int R, bool Nibbles, bool Wide, int S, int G>
+template <int R, bool Nibbles, bool Wide, int S, int G, bool Two>
 inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, const int8_t* xq, const float* xs,
                       const float* xg, const int32_t* xi, int64_t ldq, int64_t lds, int64_t ldg, const float* bias,
                       float* y, int64_t ldy, int64_t n0) {
@@ -111,7 +111,7 @@ inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, co
   const int64_t groups = a.k / G, pair = a.offset ? 2 : 1;
   F big_d[HALVES], big_m[HALVES];  // two levels: the 256-weight block's D and M, read once per block
   for (int64_t g = 0; g < groups; ++g) {
-    if (a.two_level && g % (256 / G) == 0) {
+    if (Two && g % (256 / G) == 0) {
       const uint8_t* planes = dm + (groups + 4 * (g * G / 256)) * pair * TILE;
       for (int h = 0; h < HALVES; ++h) {
         big_d[h] = from_byte_planes(planes + h * kLanes, pair * TILE);
@@ -186,7 +186,7 @@ inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, co
     for (int h = 0; h < HALVES; ++h) {
       // the group's d and m + lo d for these rows
       F d, mp;
-      if (a.two_level) {  // the group's int8 codes times its block's D and M
+      if (Two) {  // the group's int8 codes times its block's D and M
         const int8_t* c = (const int8_t*)dm + g * pair * TILE + h * kLanes;
         d = mul(big_d[h], from_i8(c));
         mp = a.offset ? fmadd(lo, d, mul(big_m[h], from_i8(c + TILE))) : mul(lo, d);
@@ -214,19 +214,19 @@ inline void int8_tile(const Int8Args& a, const uint8_t* u, const uint8_t* dm, co
   }
 }
 
-template <bool Nibbles, bool Wide, int S, int G>
+template <bool Nibbles, bool Wide, int S, int G, bool Two>
 using Int8TileFn = void (*)(const Int8Args&, const uint8_t*, const uint8_t*, const int8_t*, const float*, const float*,
                             const int32_t*, int64_t, int64_t, int64_t, const float*, float*, int64_t, int64_t);
 
-template <bool Nibbles, bool Wide, int S, int G, size_t... R>
-constexpr std::array<Int8TileFn<Nibbles, Wide, S, G>, MR + 1> int8_tiles(std::index_sequence<R...>) {
-  return {nullptr, int8_tile<R + 1, Nibbles, Wide, S, G>...};
+template <bool Nibbles, bool Wide, int S, int G, bool Two, size_t... R>
+constexpr std::array<Int8TileFn<Nibbles, Wide, S, G, Two>, MR + 1> int8_tiles(std::index_sequence<R...>) {
+  return {nullptr, int8_tile<R + 1, Nibbles, Wide, S, G, Two>...};
 }
 
-template <bool Nibbles, bool Wide, int S, int G>
+template <bool Nibbles, bool Wide, int S, int G, bool Two>
 void run_int8(const Int8Args& a, const at::Tensor& u, const at::Tensor& dm, const QuantizedRows& xr,
               const float* bias, at::Tensor& y) {
-  static constexpr auto tiles_of = int8_tiles<Nibbles, Wide, S, G>(std::make_index_sequence<MR>{});
+  static constexpr auto tiles_of = int8_tiles<Nibbles, Wide, S, G, Two>(std::make_index_sequence<MR>{});
   const int64_t m = y.size(0), tiles = (a.n + TILE - 1) / TILE;
   const int64_t tile_u = a.tile_bytes, tile_dm = a.tile_dm;
   const uint8_t* up = (const uint8_t*)u.data_ptr();
@@ -294,7 +294,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& u, const at::Tenso
   const auto by_group = [&](auto nibbles_, auto wide_, auto s_) {
     constexpr bool N = decltype(nibbles_)::value, W = decltype(wide_)::value;
     constexpr int S = decltype(s_)::value;
-    group == 16 ? run_int8<N, W, S, 16>(a, u, dm, xr, b, y) : run_int8<N, W, S, 32>(a, u, dm, xr, b, y);
+    // two-level scales (a compile-time form: its per-group product is the hot loop's) where the
+    // k-quants have them: Q4_K (4-bit, groups of 32), Q5_K (8-bit, 32), Q6_K (8-bit, 16)
+    if (two_level)
+      group == 16 ? run_int8<N, W, S, 16, true>(a, u, dm, xr, b, y) : run_int8<N, W, S, 32, true>(a, u, dm, xr, b, y);
+    else
+      group == 16 ? run_int8<N, W, S, 16, false>(a, u, dm, xr, b, y) : run_int8<N, W, S, 32, false>(a, u, dm, xr, b, y);
   };
   using yes = std::true_type;
   using no = std::false_type;
